@@ -1,0 +1,31 @@
+// Flash attention launchers: plain C++ entry points that know nothing of XLA or JAX.
+// Tensors are contiguous [batch, seq, heads, head_dim]; lse is [batch, heads_q, seq_q] float32.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace tk::attention {
+
+enum class DType { bf16, fp16 };
+
+struct ForwardParams {
+  const void* q;  // [batch, seq_q, heads_q, head_dim]
+  const void* k;  // [batch, seq_k, heads_kv, head_dim]
+  const void* v;  // [batch, seq_k, heads_kv, head_dim]
+  void* o;        // [batch, seq_q, heads_q, head_dim], q's dtype
+  float* lse;     // [batch, heads_q, seq_q], natural log; -inf for rows that see no key
+  int batch, seq_q, seq_k, heads_q, heads_kv, head_dim;
+  float scale;
+  // Query i sees key j iff  i + (seq_k - seq_q) - window_left <= j <= i + (seq_k - seq_q) + window_right;
+  // a negative bound is unbounded. Causal attention is window_right = 0.
+  int window_left, window_right;
+  DType dtype;
+};
+
+// nullptr when the kernel supports `p`, else a sentence saying what is wrong.
+const char* forward_unsupported(const ForwardParams& p);
+
+// Launches on `stream` only; never synchronises. Returns the launch status.
+cudaError_t forward(const ForwardParams& p, cudaStream_t stream);
+
+}  // namespace tk::attention

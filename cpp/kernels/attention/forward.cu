@@ -1,0 +1,31 @@
+// Checks and dispatch for the attention forward launchers.
+#include <cmath>
+
+#include "attention.h"
+#include "forward_kernel.cuh"
+
+namespace tk::attention {
+
+const char* forward_unsupported(const ForwardParams& p) {
+  if (!p.q || !p.k || !p.v || !p.o || !p.lse) return "a buffer pointer is null";
+  if (p.batch < 1 || p.seq_q < 1 || p.seq_k < 1 || p.heads_q < 1 || p.heads_kv < 1)
+    return "batch, sequence lengths and head counts must be >= 1";
+  if (p.heads_q % p.heads_kv != 0) return "heads_q must be a multiple of heads_kv";
+  if (p.head_dim != 64 && p.head_dim != 128) return "head_dim must be 64 or 128";
+  if (!(std::isfinite(p.scale) && p.scale > 0.f)) return "scale must be finite and > 0";
+  if (p.window_left < -1 || p.window_right < -1) return "window bounds must be >= -1";
+  if (p.batch > 65535 || p.heads_q > 65535) return "batch and heads_q must be <= 65535";
+  return nullptr;
+}
+
+cudaError_t forward(const ForwardParams& p, cudaStream_t stream) {
+  if (forward_unsupported(p)) return cudaErrorInvalidValue;
+  const bool bf = p.dtype == DType::bf16;
+  switch (p.head_dim) {
+    case 64: return bf ? launch_forward<bf16, 64>(p, stream) : launch_forward<half, 64>(p, stream);
+    case 128: return bf ? launch_forward<bf16, 128>(p, stream) : launch_forward<half, 128>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace tk::attention

@@ -1,0 +1,65 @@
+// Basic types and constants shared by every part of kittens.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <type_traits>
+
+namespace kittens {
+
+using bf16 = __nv_bfloat16;
+using half = __half;
+using bf16_2 = __nv_bfloat162;
+using half_2 = __half2;
+
+constexpr int WARP_THREADS = 32;
+constexpr int TILE_DIM = 16;  // every register tile is built from 16x16 base tiles
+
+__device__ __forceinline__ int laneid() { return threadIdx.x & 31; }
+__device__ __forceinline__ int warpid() { return threadIdx.x >> 5; }
+
+// The packed pair type each thread holds in a register fragment.
+template <typename T> struct packed;
+template <> struct packed<float> { using type = float2; };
+template <> struct packed<bf16> { using type = bf16_2; };
+template <> struct packed<half> { using type = half_2; };
+template <typename T> using packed_t = typename packed<T>::type;
+
+template <typename T> constexpr bool is_16bit = sizeof(T) == 2;
+
+// Conversions between float pairs and the packed 16-bit types.
+template <typename T> __device__ __forceinline__ packed_t<T> pack(float a, float b);
+template <> __device__ __forceinline__ float2 pack<float>(float a, float b) { return {a, b}; }
+template <> __device__ __forceinline__ bf16_2 pack<bf16>(float a, float b) {
+  return __floats2bfloat162_rn(a, b);
+}
+template <> __device__ __forceinline__ half_2 pack<half>(float a, float b) {
+  return __floats2half2_rn(a, b);
+}
+__device__ __forceinline__ float2 unpack(float2 x) { return x; }
+__device__ __forceinline__ float2 unpack(bf16_2 x) { return __bfloat1622float2(x); }
+__device__ __forceinline__ float2 unpack(half_2 x) { return __half22float2(x); }
+
+template <typename T> __device__ __forceinline__ float to_float(T x) { return static_cast<float>(x); }
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ half from_float<half>(float x) { return __float2half_rn(x); }
+
+constexpr float NEG_INF = -__builtin_huge_valf();
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+// 2^x on the special-function unit (what softmax kernels use instead of expf).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t shared_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+}  // namespace kittens

@@ -1,0 +1,13 @@
+// kittens: a small tile library for Hopper kernels, in the spirit of ThunderKittens.
+// Levels: warp (register tiles, mma.sync, maps, reductions), block (cooperative copies).
+#pragma once
+
+#include "common/base.cuh"
+#include "common/launch.cuh"
+#include "ops/block/memory.cuh"
+#include "ops/warp/maps.cuh"
+#include "ops/warp/memory.cuh"
+#include "ops/warp/mma.cuh"
+#include "types/global_layout.cuh"
+#include "types/register_tile.cuh"
+#include "types/shared_tile.cuh"

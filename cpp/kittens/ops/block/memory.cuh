@@ -1,0 +1,58 @@
+// Cooperative copies between global and shared memory, done by all `Threads` threads of a
+// block (or of a contiguous thread group starting at `first_thread`).
+//
+// Rows past `valid_rows` are zero-filled on load and skipped on store, so tiles may overhang
+// the end of a sequence: kernels never ask the caller to pad.
+#pragma once
+
+#include "../../types/global_layout.cuh"
+#include "../../types/shared_tile.cuh"
+
+namespace kittens {
+
+// cp.async of 16 bytes; src_bytes = 0 writes zeros without reading global memory.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Wait until at most `Pending` committed groups are still in flight.
+template <int Pending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+}
+
+// Start an asynchronous copy of tile `coord` of `src` into `dst` (rows beyond src.seq or
+// beyond row0 + valid_rows become zeros). Completes at cp_async_wait.
+template <int Threads, typename T, int R, int C>
+__device__ __forceinline__ void load_async(st<T, R, C>& dst, const gl<T>& src, tile_coord coord,
+                                           int thread = threadIdx.x) {
+  constexpr int chunks_per_row = C * int(sizeof(T)) / 16;
+  constexpr int elems_per_chunk = 16 / int(sizeof(T));
+  const int valid_rows = min(R, src.seq - coord.row0);
+#pragma unroll
+  for (int i = thread; i < R * chunks_per_row; i += Threads) {
+    const int r = i / chunks_per_row, c = (i % chunks_per_row) * elems_per_chunk;
+    const bool in_bounds = r < valid_rows;
+    const T* g = src.row(coord.b, in_bounds ? coord.row0 + r : 0, coord.h) + c;
+    cp_async_16(dst.addr(r, c), g, in_bounds ? 16 : 0);
+  }
+}
+
+// Synchronous store of a shared tile to global, skipping rows past the end of the sequence.
+template <int Threads, typename T, int R, int C>
+__device__ __forceinline__ void store(const gl<T>& dst, const st<T, R, C>& src, tile_coord coord,
+                                      int thread = threadIdx.x) {
+  constexpr int chunks_per_row = C * int(sizeof(T)) / 16;
+  constexpr int elems_per_chunk = 16 / int(sizeof(T));
+  const int valid_rows = min(R, dst.seq - coord.row0);
+#pragma unroll
+  for (int i = thread; i < R * chunks_per_row; i += Threads) {
+    const int r = i / chunks_per_row, c = (i % chunks_per_row) * elems_per_chunk;
+    if (r < valid_rows) {
+      *reinterpret_cast<int4*>(dst.row(coord.b, coord.row0 + r, coord.h) + c) =
+          *reinterpret_cast<const int4*>(src.ptr(r, c));
+    }
+  }
+}
+
+}  // namespace kittens

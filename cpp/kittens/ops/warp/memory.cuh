@@ -1,0 +1,99 @@
+// Warp-level moves between shared tiles and register tiles, and from register tiles to global.
+#pragma once
+
+#include "../../types/global_layout.cuh"
+#include "../../types/register_tile.cuh"
+#include "../../types/shared_tile.cuh"
+
+namespace kittens {
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                            uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                                  uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+template <typename T2>
+__device__ __forceinline__ uint32_t& as_u32(T2& x) {
+  static_assert(sizeof(T2) == 4, "16-bit pairs only");
+  return *reinterpret_cast<uint32_t*>(&x);
+}
+
+// Row layout: rows [row0, row0+R) and cols [col0, col0+C) of `src`.
+// ldmatrix's four 8x8 matrices are (rows 0-7 | 8-15) x (cols 0-7 | 8-15); lane l points at
+// row l % 16 of column half l / 16, which yields data[0..3] in the order of register_tile.cuh.
+template <typename T, int R, int C, int SR, int SC>
+__device__ __forceinline__ void load(rt<T, R, C, layout::row>& dst, const st<T, SR, SC>& src, int row0 = 0,
+                                     int col0 = 0) {
+  const int lane = laneid();
+  const int r_in = lane % 16, c_in = (lane / 16) * 8;
+#pragma unroll
+  for (int i = 0; i < dst.height; i++)
+#pragma unroll
+    for (int j = 0; j < dst.width; j++) {
+      auto& t = dst.tiles[i][j];
+      ldmatrix_x4(src.addr(row0 + 16 * i + r_in, col0 + 16 * j + c_in), as_u32(t.data[0]), as_u32(t.data[1]),
+                  as_u32(t.data[2]), as_u32(t.data[3]));
+    }
+}
+
+// Col layout: the tile of `src` at (row0, col0) held transposed, as mma's B operand wants a
+// row-major K x N matrix. Matrices: data[0] = (k 0-7, n 0-7), data[1] = (k 0-7, n 8-15),
+// data[2] = (k 8-15, n 0-7), data[3] = (k 8-15, n 8-15).
+template <typename T, int R, int C, int SR, int SC>
+__device__ __forceinline__ void load(rt<T, R, C, layout::col>& dst, const st<T, SR, SC>& src, int row0 = 0,
+                                     int col0 = 0) {
+  const int lane = laneid();
+  const int r_in = (lane % 8) + 8 * (lane / 16), c_in = 8 * ((lane / 8) % 2);
+#pragma unroll
+  for (int i = 0; i < dst.height; i++)
+#pragma unroll
+    for (int j = 0; j < dst.width; j++) {
+      auto& t = dst.tiles[i][j];
+      ldmatrix_x4_trans(src.addr(row0 + 16 * i + r_in, col0 + 16 * j + c_in), as_u32(t.data[0]),
+                        as_u32(t.data[1]), as_u32(t.data[2]), as_u32(t.data[3]));
+    }
+}
+
+// Register tile (row layout, any element type) into a shared tile of 16-bit values.
+template <typename T, typename U, int R, int C, int SR, int SC>
+__device__ __forceinline__ void store(st<T, SR, SC>& dst, const rt<U, R, C, layout::row>& src, int row0 = 0,
+                                      int col0 = 0) {
+#pragma unroll
+  for (int i = 0; i < src.height; i++)
+#pragma unroll
+    for (int j = 0; j < src.width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const float2 v = unpack(src.tiles[i][j].data[k]);
+        *reinterpret_cast<packed_t<T>*>(dst.ptr(row0 + 16 * i + fragment_row(k), col0 + 16 * j + fragment_col(k, 0))) =
+            pack<T>(v.x, v.y);
+      }
+}
+
+// Register tile (row layout) straight to global, converting to T; rows past dst.seq skipped.
+template <typename T, typename U, int R, int C>
+__device__ __forceinline__ void store(const gl<T>& dst, const rt<U, R, C, layout::row>& src, tile_coord coord) {
+#pragma unroll
+  for (int i = 0; i < src.height; i++)
+#pragma unroll
+    for (int j = 0; j < src.width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const int r = coord.row0 + 16 * i + fragment_row(k);
+        if (r < dst.seq) {
+          const float2 v = unpack(src.tiles[i][j].data[k]);
+          *reinterpret_cast<packed_t<T>*>(dst.row(coord.b, r, coord.h) + 16 * j + fragment_col(k, 0)) =
+              pack<T>(v.x, v.y);
+        }
+      }
+}
+
+}  // namespace kittens

@@ -1,0 +1,26 @@
+// The one Python extension module, tk_jax._tk: hands XLA the FFI handler capsules.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+extern "C" XLA_FFI_Error* tk_attention_fwd(XLA_FFI_CallFrame* call_frame);
+
+namespace {
+template <typename Fn>
+nb::capsule handler_capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+NB_MODULE(_tk, m) {
+  m.doc() = "tk_jax compiled kernels (XLA FFI handlers for CUDA)";
+  m.def("registrations", []() {
+    nb::dict targets;
+    targets["tk_attention_fwd"] = handler_capsule(tk_attention_fwd);
+    return targets;
+  });
+  m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+  m.attr("cuda_archs") = "sm_90a";
+}

@@ -1,0 +1,24 @@
+// tk_jax._tk_tests: FFI handlers of the test-only kittens kernels (see kittens_ops.cu).
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+extern "C" {
+XLA_FFI_Error* tk_test_roundtrip(XLA_FFI_CallFrame*);
+XLA_FFI_Error* tk_test_mma_bf16(XLA_FFI_CallFrame*);
+XLA_FFI_Error* tk_test_mma_f16(XLA_FFI_CallFrame*);
+XLA_FFI_Error* tk_test_rowops(XLA_FFI_CallFrame*);
+}
+
+NB_MODULE(_tk_tests, m) {
+  m.def("registrations", []() {
+    nb::dict targets;
+    targets["tk_test_roundtrip"] = nb::capsule(reinterpret_cast<void*>(tk_test_roundtrip));
+    targets["tk_test_mma_bf16"] = nb::capsule(reinterpret_cast<void*>(tk_test_mma_bf16));
+    targets["tk_test_mma_f16"] = nb::capsule(reinterpret_cast<void*>(tk_test_mma_f16));
+    targets["tk_test_rowops"] = nb::capsule(reinterpret_cast<void*>(tk_test_rowops));
+    return targets;
+  });
+}

@@ -1,0 +1,32 @@
+"""Thin jax.ffi.ffi_call wrappers around the compiled kernels. Inputs are already validated
+and in the kernels' layout ([batch, seq, heads, dim], contiguous); these only build the call."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ATTENTION_HEAD_DIMS = (64, 128)
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def attention_kernel_unsupported(q, k, v) -> str | None:
+    """None when the attention kernels handle these inputs, else why not."""
+    if q.dtype not in [jnp.dtype(d) for d in KERNEL_DTYPES]:
+        return f"the kernel takes bf16 or fp16 inputs, got {q.dtype}"
+    if q.shape[-1] not in ATTENTION_HEAD_DIMS:
+        return f"the kernel supports head_dim in {ATTENTION_HEAD_DIMS}, got {q.shape[-1]}"
+    return None
+
+
+def attention_fwd(q, k, v, *, scale: float, window_left: int, window_right: int):
+    """(o, lse) from the forward kernel. q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D];
+    lse [B, Hq, Tq] float32. Under vmap, extra leading axes fold into the batch in C++."""
+    *lead, seq_q, heads_q, _ = q.shape
+    out_types = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((*lead, heads_q, seq_q), jnp.float32),
+    )
+    call = jax.ffi.ffi_call("tk_attention_fwd", out_types, vmap_method="broadcast_all")
+    return call(q, k, v, scale=np.float32(scale), window_left=np.int64(window_left),
+                window_right=np.int64(window_right))
