@@ -10,14 +10,16 @@ namespace kittens {
 
 // Raise a kernel's dynamic shared-memory limit once per device (the attribute is per device,
 // and one process may drive several GPUs). Cheap after the first call; never synchronises.
-template <typename Kernel>
-cudaError_t allow_dynamic_shared(Kernel* kernel, int bytes) {
+// `Kernel` is a template argument (not a function parameter) so that each kernel gets its own
+// record: kernels with the same signature must not share one.
+template <auto Kernel>
+cudaError_t allow_dynamic_shared(int bytes) {
   static std::atomic<uint64_t> done_devices{0};
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   const uint64_t bit = device < 64 ? (uint64_t(1) << device) : 0;
   if (bit && (done_devices.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  const cudaError_t err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err == cudaSuccess && bit) done_devices.fetch_or(bit, std::memory_order_relaxed);
   return err;
 }

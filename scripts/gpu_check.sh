@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On the H100 machine: build the extension there, run the GPU tests and a quick benchmark.
+# Logs go to $OUT when set (the device tool brings that folder back), else /tmp/tk_jax_gpu.
+# Usage: scripts/gpu_check.sh [extra pytest args]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG="${OUT:-/tmp/tk_jax_gpu}"
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+
+# Peers for the benchmark (FlashAttention-3 for JAX, fla): wheels carried in .whl/, never
+# dependencies of the project.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tk_peers .whl/*.whl \
+    && export PYTHONPATH="/tmp/tk_peers${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+start=$(date +%s)
+if ! TK_JAX_REQUIRE_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -e . >"$LOG/build.log" 2>&1; then
+  tail -60 "$LOG/build.log"
+  echo "BUILD FAILED"
+  exit 1
+fi
+echo "build: $(($(date +%s) - start)) s"
+
+python3 -m pytest -m gpu -q -p no:cacheprovider "$@" ${TK_GPU_TESTS:-tests} 2>&1 | tee "$LOG/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+python3 -m tk_jax.bench ${TK_BENCH_ARGS:-attention --quick} --out "$LOG" 2>&1 | tee "$LOG/bench.log"
+
+echo "gpu tests exit code: $tests_rc"
+exit "$tests_rc"

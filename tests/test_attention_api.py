@@ -1,0 +1,331 @@
+"""tk_jax.flash_attention on CPU: results against float64 naive attention, and composition with
+jit, grad, vmap and checkpoint, extra batch dims, return_lse (and its gradient), masks, GQA.
+
+Every test draws fresh random inputs; the seed is in each failure message, and TK_TEST_SEED=<n>
+replays one. Shapes are small and odd (no multiples of tile sizes) to keep the suite fast.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tk_jax
+import tk_jax._backend
+from tk_jax._backend import kernel_unavailable_reason
+from tk_jax.attention import flash_attention
+from tk_jax.reference.attention import attention_forward
+
+try:  # tests/ as a package, or tests/ on sys.path (pytest's default rootdir-less import)
+    from tests.naive import naive_attention, naive_attention_grads, relative_l2, visible_mask
+except ImportError:
+    from naive import naive_attention, naive_attention_grads, relative_l2, visible_mask
+
+# Relative L2 error allowed against float64, by input dtype (bf16/fp16 inputs are rounded to
+# their dtype before the naive computation, so this measures the computation, not the rounding
+# of the inputs; the output's own rounding remains).
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+
+
+def fresh_rng():
+    seed = int(os.environ.get("TK_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    return np.random.default_rng(seed), seed
+
+
+def random_qkv(rng, *, batch=(2,), tq=13, tk=13, hq=2, hkv=2, d=16, dtype=jnp.float32):
+    q = rng.standard_normal(batch + (tq, hq, d))
+    k = rng.standard_normal(batch + (tk, hkv, d))
+    v = rng.standard_normal(batch + (tk, hkv, d))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def random_like(rng, x):
+    return jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+
+
+def assert_close(actual, expected, what, seed, tol=TOLERANCE[jnp.float32]):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32))
+    assert np.all(np.isfinite(actual)), f"{what}: non-finite values (seed={seed})"
+    err = relative_l2(actual, expected)
+    assert err < tol, f"{what}: relative L2 error {err:.3g} >= {tol} (seed={seed})"
+
+
+def assert_lse_close(actual, expected, what, seed):
+    """Same -inf pattern (rows that see no key), finite entries close."""
+    actual = np.asarray(actual)
+    assert actual.dtype == np.float32, f"{what}: lse dtype {actual.dtype}, expected float32"
+    np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected),
+                                  err_msg=f"{what}: -inf pattern differs (seed={seed})")
+    finite = np.isfinite(expected)
+    if finite.any():
+        assert_close(actual[finite], expected[finite], what, seed)
+
+
+def loss_and_grads(fn, q, k, v, do):
+    """o and (dq, dk, dv) of sum(o * do) through jax.grad (all three arguments)."""
+    o = fn(q, k, v)
+    grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do),
+                     argnums=(0, 1, 2))(q, k, v)
+    return o, grads
+
+
+# Each case: (name, shapes for random_qkv, flash_attention kwargs, the (window_left,
+# window_right) the naive oracle should apply).
+CASES = [
+    ("full", dict(tq=13, tk=13), dict(), (-1, -1)),
+    ("causal Tq<Tk GQA", dict(tq=7, tk=19, hq=4, hkv=2), dict(causal=True), (-1, 0)),
+    ("causal Tq>Tk (empty rows)", dict(tq=19, tk=7), dict(causal=True), (-1, 0)),
+    ("window (3,2)", dict(tq=17, tk=17), dict(window_size=(3, 2)), (3, 2)),
+    ("causal + left window, MQA", dict(tq=11, tk=16, hq=3, hkv=1),
+     dict(causal=True, window_size=(4, 7)), (4, 0)),  # causal replaces the right bound
+    ("right window only, Tq>Tk", dict(tq=12, tk=9), dict(window_size=(-1, 2)), (-1, 2)),
+    ("softmax_scale", dict(tq=9, tk=14, d=8), dict(softmax_scale=0.37), (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+@pytest.mark.parametrize("name,shapes,kwargs,window", CASES, ids=[c[0] for c in CASES])
+def test_matches_naive(backend, name, shapes, kwargs, window):
+    rng, seed = fresh_rng()
+    q, k, v = random_qkv(rng, **shapes)
+    do = random_like(rng, q)
+    scale = kwargs.get("softmax_scale", 1 / np.sqrt(q.shape[-1]))
+    o_ref, lse_ref = naive_attention(q, k, v, scale, *window)
+    grads_ref = naive_attention_grads(q, k, v, do, scale, *window)
+
+    fn = functools.partial(flash_attention, backend=backend, **kwargs)
+    o, grads = loss_and_grads(fn, q, k, v, do)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert_close(o, o_ref, f"{name} o", seed)
+    for grad_name, grad, ref in zip("qkv", grads, grads_ref):
+        assert_close(grad, ref, f"{name} d{grad_name}", seed)
+    _, lse = fn(q, k, v, return_lse=True)
+    assert_lse_close(lse, lse_ref, f"{name} lse", seed)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(dtype):
+    rng, seed = fresh_rng()
+    q, k, v = random_qkv(rng, tq=10, tk=21, hq=4, hkv=1, dtype=dtype)
+    do = random_like(rng, q)
+    scale = 1 / np.sqrt(q.shape[-1])
+    o, grads = loss_and_grads(functools.partial(flash_attention, causal=True), q, k, v, do)
+    assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
+    assert_close(o, naive_attention(q, k, v, scale, -1, 0)[0], "o", seed, TOLERANCE[dtype])
+    for grad_name, grad, ref in zip("qkv", grads, naive_attention_grads(q, k, v, do, scale, -1, 0)):
+        assert_close(grad, ref, f"d{grad_name}", seed, TOLERANCE[dtype])
+
+
+def test_empty_rows_are_zero():
+    """Tq > Tk with causal: the first Tq - Tk queries see no key."""
+    rng, seed = fresh_rng()
+    q, k, v = random_qkv(rng, tq=9, tk=4)
+    o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    dq = jax.grad(lambda q: jnp.sum(flash_attention(q, k, v, causal=True)))(q)
+    empty = ~visible_mask(9, 4, -1, 0).any(axis=1)
+    assert empty.sum() == 5
+    assert np.all(np.asarray(o)[:, empty] == 0), f"seed={seed}"
+    assert np.all(np.isneginf(np.asarray(lse)[:, :, empty])), f"seed={seed}"
+    assert np.all(np.asarray(dq)[:, empty] == 0), f"seed={seed}"
+    assert np.all(np.isfinite(np.asarray(dq))), f"seed={seed}"
+
+
+def test_jit_and_grad():
+    rng, seed = fresh_rng()
+    q, k, v = random_qkv(rng, tq=11, tk=15, hq=4, hkv=2)
+    do = random_like(rng, q)
+    scale = 1 / np.sqrt(q.shape[-1])
+    jitted = jax.jit(functools.partial(flash_attention, causal=True))
+    o, grads = loss_and_grads(jitted, q, k, v, do)
+    grads_jit = jax.jit(jax.grad(
+        lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True) * do),
+        argnums=(0, 1, 2)))(q, k, v)
+    assert_close(o, naive_attention(q, k, v, scale, -1, 0)[0], "jit o", seed)
+    for grad_name, g, gj, ref in zip("qkv", grads, grads_jit,
+                                     naive_attention_grads(q, k, v, do, scale, -1, 0)):
+        assert_close(g, ref, f"grad of jit d{grad_name}", seed)
+        assert_close(gj, ref, f"jit of grad d{grad_name}", seed)
+
+
+def test_extra_leading_batch_dims():
+    rng, seed = fresh_rng()
+    q, k, v = random_qkv(rng, batch=(2, 3), tq=6, tk=10)
+    do = random_like(rng, q)
+    scale = 1 / np.sqrt(q.shape[-1])
+    o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    assert o.shape == (2, 3, 6, 2, 16) and lse.shape == (2, 3, 2, 6)
+    flat = [x.reshape((6,) + x.shape[2:]) for x in (q, k, v, do)]
+    o_ref, lse_ref = naive_attention(*flat[:3], scale, -1, 0)
+    assert_close(o.reshape(o_ref.shape), o_ref, "o", seed)
+    assert_lse_close(lse.reshape(lse_ref.shape), lse_ref, "lse", seed)
+    _, grads = loss_and_grads(functools.partial(flash_attention, causal=True), q, k, v, do)
+    for grad_name, grad, ref in zip("qkv", grads, naive_attention_grads(*flat, scale, -1, 0)):
+        assert grad.shape == q.shape[:2] + ref.shape[1:]
+        assert_close(grad.reshape(ref.shape), ref, f"d{grad_name}", seed)
+
+
+def test_vmap_over_extra_axis():
+    rng, seed = fresh_rng()
+    q, k, v = random_qkv(rng, batch=(3, 2), tq=7, tk=9, hq=2, hkv=1)
+    do = random_like(rng, q)
+    scale = 1 / np.sqrt(q.shape[-1])
+    fn = functools.partial(flash_attention, window_size=(2, 1))
+    o = jax.vmap(fn)(q, k, v)
+    grads = jax.vmap(jax.grad(lambda q, k, v, do: jnp.sum(fn(q, k, v) * do),
+                              argnums=(0, 1, 2)))(q, k, v, do)
+    for i in range(3):
+        assert_close(o[i], naive_attention(q[i], k[i], v[i], scale, 2, 1)[0], f"o[{i}]", seed)
+        refs = naive_attention_grads(q[i], k[i], v[i], do[i], scale, 2, 1)
+        for grad_name, grad, ref in zip("qkv", grads, refs):
+            assert_close(grad[i], ref, f"d{grad_name}[{i}]", seed)
+
+
+def test_vmap_only_q_mapped():
+    """Several query sets against one shared k, v: per-example gradients of k and v."""
+    rng, seed = fresh_rng()
+    q, _, _ = random_qkv(rng, batch=(3, 2), tq=5, tk=5, hq=4)
+    _, k, v = random_qkv(rng, batch=(2,), tq=5, tk=8, hkv=2)
+    do = random_like(rng, q)
+    scale = 1 / np.sqrt(q.shape[-1])
+    fn = functools.partial(flash_attention, causal=True)
+    o = jax.vmap(fn, in_axes=(0, None, None))(q, k, v)
+    grads = jax.vmap(jax.grad(lambda q, k, v, do: jnp.sum(fn(q, k, v) * do), argnums=(0, 1, 2)),
+                     in_axes=(0, None, None, 0))(q, k, v, do)
+    assert grads[1].shape == (3,) + k.shape
+    for i in range(3):
+        assert_close(o[i], naive_attention(q[i], k, v, scale, -1, 0)[0], f"o[{i}]", seed)
+        refs = naive_attention_grads(q[i], k, v, do[i], scale, -1, 0)
+        for grad_name, grad, ref in zip("qkv", grads, refs):
+            assert_close(grad[i], ref, f"d{grad_name}[{i}]", seed)
+
+
+def test_jit_vmap_grad_together():
+    rng, seed = fresh_rng()
+    q, k, v = random_qkv(rng, batch=(2, 1), tq=6, tk=11, hq=2, hkv=2, d=8)
+    do = random_like(rng, q)
+    scale = 0.5
+
+    def loss(q, k, v, do):
+        o, lse = flash_attention(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
+        return jnp.sum(o * do)
+
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v, do)
+    for i in range(2):
+        refs = naive_attention_grads(q[i], k[i], v[i], do[i], scale, -1, 0)
+        for grad_name, grad, ref in zip("qkv", grads, refs):
+            assert_close(grad[i], ref, f"d{grad_name}[{i}]", seed)
+
+
+def test_checkpoint():
+    rng, seed = fresh_rng()
+    q, k, v = random_qkv(rng, tq=8, tk=12, hq=2, hkv=1)
+    do = random_like(rng, q)
+    scale = 1 / np.sqrt(q.shape[-1])
+    attention = jax.checkpoint(functools.partial(flash_attention, window_size=(3, -1)))
+    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v) * do),
+                             argnums=(0, 1, 2)))(q, k, v)
+    for grad_name, grad, ref in zip("qkv", grads,
+                                    naive_attention_grads(q, k, v, do, scale, 3, -1)):
+        assert_close(grad, ref, f"checkpoint d{grad_name}", seed)
+
+
+def naive_lse_float64(q, k, scale, window_left, window_right):
+    """Differentiable float64 logsumexp of the masked scores, [B, Hq, Tq] (jnp, under x64)."""
+    tq, hq, tk, hkv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    k = jnp.repeat(k, hq // hkv, axis=2)
+    s = scale * jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    s = jnp.where(visible_mask(tq, tk, window_left, window_right), s, -jnp.inf)
+    return jax.nn.logsumexp(s, axis=-1)
+
+
+def test_return_lse_and_its_gradient():
+    """Differentiating through lse (alone, and together with o) against float64 autodiff."""
+    rng, seed = fresh_rng()
+    q, k, v = random_qkv(rng, tq=9, tk=14, hq=4, hkv=2)
+    scale = 1 / np.sqrt(q.shape[-1])
+    o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    assert o.shape == q.shape and lse.shape == (2, 4, 9) and lse.dtype == jnp.float32
+    dlse = rng.standard_normal(lse.shape)
+    do = random_like(rng, q)
+
+    def lse_loss(q, k, v):
+        return jnp.sum(flash_attention(q, k, v, causal=True, return_lse=True)[1] * dlse)
+
+    def both_loss(q, k, v):
+        o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+        return jnp.sum(o * do) + jnp.sum(lse * dlse)
+
+    with jax.enable_x64(True):
+        q64, k64 = (jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k))
+        lse64 = jax.jit(naive_lse_float64, static_argnums=(2, 3, 4))(q64, k64, scale, -1, 0)
+        dq64, dk64 = jax.jit(jax.grad(  # jit: one compile instead of one per operation
+            lambda q, k: jnp.sum(naive_lse_float64(q, k, scale, -1, 0) * dlse),
+            argnums=(0, 1)))(q64, k64)
+        dq64, dk64, lse64 = (np.asarray(x) for x in (dq64, dk64, lse64))
+    assert_lse_close(lse, lse64, "lse", seed)
+
+    dq, dk, dv = jax.jit(jax.grad(lse_loss, argnums=(0, 1, 2)))(q, k, v)
+    assert_close(dq, dq64, "lse-only dq", seed)
+    assert_close(dk, dk64, "lse-only dk", seed)
+    assert np.all(np.asarray(dv) == 0), "lse does not depend on v"
+
+    grads = jax.grad(both_loss, argnums=(0, 1, 2))(q, k, v)
+    refs = naive_attention_grads(q, k, v, do, scale, -1, 0, dlse=dlse)
+    for grad_name, grad, ref in zip("qkv", grads, refs):
+        assert_close(grad, ref, f"o+lse d{grad_name}", seed)
+
+
+def test_return_lse_false_returns_one_array():
+    rng, _ = fresh_rng()
+    q, k, v = random_qkv(rng, tq=4, tk=4)
+    assert isinstance(flash_attention(q, k, v), jax.Array)
+    assert len(flash_attention(q, k, v, return_lse=True)) == 2
+
+
+def test_kernel_backend_unavailable_on_cpu():
+    reason = kernel_unavailable_reason()
+    if reason is None:
+        pytest.skip("the kernels can run on this machine")
+    rng, _ = fresh_rng()
+    q, k, v = random_qkv(rng, tq=8, tk=8, d=64)
+    with pytest.raises(ValueError, match="backend='kernel'") as err:
+        flash_attention(q, k, v, backend="kernel")
+    assert reason in str(err.value)
+    with pytest.raises(ValueError, match="backend='kernel'"):  # also while tracing
+        jax.jit(functools.partial(flash_attention, backend="kernel"))(q, k, v)
+
+
+def test_auto_dispatches_to_kernel_when_available(monkeypatch):
+    """With the kernels (pretend) available, "auto" calls tk_jax._kernels.attention_fwd with
+    rank-4 inputs and the resolved scale and window; the backward still works."""
+    calls = []
+
+    def attention_fwd(q, k, v, *, scale, window_left, window_right):
+        calls.append((q.shape, k.shape, scale, window_left, window_right))
+        return attention_forward(q, k, v, scale=scale, window_left=window_left,
+                                 window_right=window_right)
+
+    module = types.ModuleType("tk_jax._kernels")
+    module.attention_fwd = attention_fwd
+    module.attention_kernel_unsupported = lambda q, k, v: None
+    monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
+    monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)
+    monkeypatch.setattr(tk_jax, "_kernels", module, raising=False)
+
+    rng, seed = fresh_rng()
+    q, k, v = random_qkv(rng, batch=(2, 3), tq=5, tk=7)
+    do = random_like(rng, q)
+    o, grads = loss_and_grads(
+        functools.partial(flash_attention, causal=True, window_size=(2, 5), softmax_scale=0.3),
+        q, k, v, do)
+    assert calls and calls[0] == ((6, 5, 2, 16), (6, 7, 2, 16), 0.3, 2, 0)
+    flat = [x.reshape((6,) + x.shape[2:]) for x in (q, k, v, do)]
+    assert_close(o.reshape((6,) + o.shape[2:]), naive_attention(*flat[:3], 0.3, 2, 0)[0], "o", seed)
+    for grad_name, grad, ref in zip("qkv", grads, naive_attention_grads(*flat, 0.3, 2, 0)):
+        assert_close(grad.reshape(ref.shape), ref, f"d{grad_name}", seed)

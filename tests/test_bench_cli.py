@@ -1,0 +1,265 @@
+"""The benchmark CLI (tk_jax.bench) on CPU: argument parsing, FLOP counting, the timing loop,
+failure handling, the report writers, and a tiny end-to-end run on toy shapes.
+
+Timings themselves are meaningless here; what is checked is that every contender's failure is
+recorded rather than raised, and that the files the GPU run relies on are written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+import tk_jax.bench as bench
+from tk_jax.bench import attention, based, report, timing
+from tk_jax.bench.__main__ import main, parse_args, parse_int_list
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments.
+
+def test_parse_int_list_accepts_k_suffix():
+    assert parse_int_list("512,1k, 16K") == [512, 1024, 16384]
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "1k,x", "0", "-5"])
+def test_parse_int_list_rejects_bad_values(bad):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_int_list(bad)
+
+
+def test_parse_args_defaults_and_options():
+    args = parse_args([])
+    assert (args.suite, args.causal, args.reps, args.fwd_only, args.tk_backend) == \
+        ("all", "both", 10, False, "kernel")
+    args = parse_args(["attention", "--d", "64,128", "--t", "2k", "--causal", "yes",
+                       "--fwd-only", "--reps", "3", "--contenders", "tk,cudnn", "--quick"])
+    assert args.suite == "attention" and args.d == [64, 128] and args.t == [2048]
+    assert args.causal == "yes" and args.fwd_only and args.reps == 3 and args.quick
+    assert args.contenders == ["tk", "cudnn"]
+    assert parse_args(["--peers-only"]).list
+
+
+@pytest.mark.parametrize("argv", [["nonsense"], ["--reps", "0"], ["--causal", "maybe"]])
+def test_parse_args_rejects_bad_input(argv):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configurations and FLOPs.
+
+def test_attention_grid_keeps_tokens_and_width_fixed():
+    configs = attention.make_configs(attention.T_GRID, attention.D_GRID, (False, True),
+                                     (False, True))
+    assert len(configs) == 6 * 3 * 2 * 2
+    for c in configs:
+        assert c.batch * c.t == attention.TOKENS and c.heads * c.d == attention.MODEL_WIDTH
+
+
+def test_attention_flops():
+    config = attention.AttentionConfig(t=8, d=4, causal=False, backward=False, batch=3, heads=5)
+    full_forward = 4 * 3 * 5 * 8 * 8 * 4
+    assert attention.attention_flops(config) == full_forward
+    causal_both = attention.AttentionConfig(t=8, d=4, causal=True, backward=True, batch=3,
+                                            heads=5)
+    assert attention.attention_flops(causal_both) == full_forward / 2 * 3.5
+
+
+def test_based_decode_floor_bytes():
+    # 273 features (1 + 16 + 256): kv [273, 64] and normaliser [273], fp32, read + write.
+    assert based.decode_floor_bytes(64, 16) == (273 * 64 + 273) * 4 * 64 * 16 * 2
+
+
+def test_input_sets_needed():
+    assert timing.input_sets_needed(10 * 2**30) == 1        # far bigger than L2
+    assert timing.input_sets_needed(2**20) == 3             # fits L2: rotate, capped at 3
+    assert timing.input_sets_needed(timing.L2_BYTES) == 2
+
+
+def test_sanitize_card_name():
+    assert report.sanitize_card_name("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert report.sanitize_card_name(" ?? ") == "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# The timing loop and failure handling, with a fake clock (no device involved).
+
+class FakeClock:
+    """Each call 'takes' a fixed time; start/stop read a counter advanced by the calls."""
+
+    def __init__(self, seconds_per_call):
+        self.now = 0.0
+        self.seconds_per_call = seconds_per_call
+
+    def start(self):
+        return self.now
+
+    def stop(self, token, last_output):
+        return self.now - token
+
+    def sync(self, last_output):
+        pass
+
+
+def fake_runner(seconds_per_call=1e-3):
+    clock = FakeClock(seconds_per_call)
+    seen = []
+
+    def call(i):
+        seen.append(i)
+        clock.now += clock.seconds_per_call
+        return i
+
+    return timing.Runner(call=call, n_sets=3, clock=clock), seen
+
+
+def test_measure_reports_per_call_time_and_rotates_inputs():
+    runner, seen = fake_runner(2e-3)
+    result = timing.measure(runner, reps=4, min_rep_seconds=0.02)
+    assert math.isclose(result.median_s, 2e-3)
+    assert result.calls_per_rep == 10 and result.reps == 4
+    assert set(seen) == {0, 1, 2}
+
+
+def contender(name, prepare, unavailable=None):
+    return bench.Contender(name=name, description=name, role=bench.PEER,
+                           unavailable=lambda: unavailable, prepare=prepare)
+
+
+def raiser(err):
+    def prepare(config):
+        raise err
+    return prepare
+
+
+def test_run_one_records_every_kind_of_failure_without_raising():
+    cases = {
+        "ok": (contender("ok", lambda c: fake_runner()[0]), bench.OK),
+        "unsup": (contender("unsup", raiser(bench.Unsupported("no D=512"))), bench.UNSUPPORTED),
+        "skip": (contender("skip", raiser(bench.Skipped("too long"))), bench.SKIPPED),
+        "boom": (contender("boom", raiser(RuntimeError("kaput\nline two"))), bench.ERROR),
+        "absent": (contender("absent", raiser(AssertionError), unavailable="not installed"),
+                   bench.UNAVAILABLE),
+    }
+    for name, (c, expected) in cases.items():
+        outcome = bench.run_one(c, None, {"t": 1}, reps=2)
+        assert outcome.status == expected, (name, outcome)
+    boom = bench.run_one(cases["boom"][0], None, {}, reps=1)
+    assert boom.reason == "RuntimeError: kaput line two"
+    ok = bench.run_one(cases["ok"][0], None, {}, reps=3)
+    assert math.isclose(ok.median_ms, 1.0) and ok.reps == 3
+
+
+def test_run_one_reports_errors_raised_while_timing():
+    def failing_call(i):
+        raise ValueError("device fault")
+
+    c = contender("late", lambda cfg: timing.Runner(call=failing_call, n_sets=1,
+                                                    clock=FakeClock(1e-3)))
+    outcome = bench.run_one(c, None, {}, reps=2)
+    assert outcome.status == bench.ERROR and "device fault" in outcome.reason
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports.
+
+def outcome_dict(contender_name, role, t, status="ok", tflops=None, reason=""):
+    return {"config": {"pass": "fwd", "t": t}, "contender": contender_name, "role": role,
+            "status": status, "reason": reason, "median_ms": 1.0,
+            "metrics": {} if tflops is None else {"tflops": tflops}}
+
+
+SPEC = report.TableSpec(group_field="pass", key_fields=("t",),
+                        metric=lambda o: o["metrics"]["tflops"], metric_name="TFLOP/s",
+                        higher_is_better=True)
+
+
+def test_results_table_ratio_and_notes():
+    outcomes = [
+        outcome_dict("tk", bench.OURS, 1024, tflops=600.0),
+        outcome_dict("cudnn", bench.PEER, 1024, tflops=400.0),
+        outcome_dict("fa3", bench.PEER, 1024, tflops=500.0),
+        outcome_dict("tk", bench.OURS, 512, status="unsupported", reason="T too short"),
+        outcome_dict("cudnn", bench.PEER, 512, tflops=300.0),
+        outcome_dict("fa3", bench.PEER, 512, status="error", reason="Boom"),
+    ]
+    text = report.results_tables(outcomes, ["tk", "cudnn", "fa3"], SPEC)
+    lines = text.splitlines()
+    row_512 = next(line for line in lines if line.startswith("| 512"))
+    row_1024 = next(line for line in lines if line.startswith("| 1024"))
+    assert lines.index(row_512) < lines.index(row_1024)  # numeric order
+    assert "1.20x vs fa3" in row_1024                    # 600 / best peer 500
+    assert "unsup. [1]" in row_512 and "error [2]" in row_512
+    assert row_512.split("|")[-2].strip() == "-"  # no ratio without tk
+    assert "[1] tk unsupported: T too short" in text and "[2] fa3 error: Boom" in text
+
+
+def test_speed_ratio_for_times():
+    assert report.speed_ratio(2.0, 3.0, higher_is_better=False) == 1.5  # tk takes 2 ms, peer 3
+    assert report.speed_ratio(None, 3.0, higher_is_better=True) is None
+
+
+def test_merge_keeps_old_points_not_measured_again():
+    old = [outcome_dict("tk", bench.OURS, 512, tflops=1.0),
+           outcome_dict("tk", bench.OURS, 1024, tflops=2.0)]
+    new = [outcome_dict("tk", bench.OURS, 1024, tflops=3.0)]
+    merged = report.merge_outcomes(old, new)
+    assert sorted((o["config"]["t"], o["metrics"]["tflops"]) for o in merged) == \
+        [(512, 1.0), (1024, 3.0)]
+
+
+def test_write_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    outcomes = [outcome_dict("tk", bench.OURS, t, tflops=t / 10) for t in (512, 1024, 2048)]
+    path = report.write_plot(str(tmp_path / "p.png"), outcomes, panel_fields=("pass",),
+                             x_field="t", metric=lambda o: o["metrics"]["tflops"],
+                             metric_name="TFLOP/s", contender_names=["tk"], title="t")
+    assert path and (tmp_path / "p.png").stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end on toy shapes (CPU): peers that cannot run (cuDNN, FA3, fla) must not stop it.
+
+def test_list_and_dry_run(capsys):
+    assert main(["--list"]) == 0
+    listing = capsys.readouterr().out
+    for name in ("tk", "cudnn", "fa3", "xla", "tk_reference", "fla_fused_chunk", "fla_parallel"):
+        assert f"  {name} " in listing
+    assert main(["all", "--tiny", "--dry-run"]) == 0
+    assert "decode step" in capsys.readouterr().out
+
+
+def test_tiny_attention_run_writes_results(tmp_path, capsys):
+    argv = ["attention", "--tiny", "--fwd-only", "--t", "64", "--reps", "1",
+            "--tk-backend", "reference", "--out", str(tmp_path), "--card-name", "Test Card",
+            "--no-plot"]
+    assert main(argv) == 0
+    document = json.loads((tmp_path / "attention-test-card.json").read_text())
+    statuses = {(o["contender"], o["config"]["causal"]): o for o in document["results"]}
+    assert len(statuses) == 4 * 2  # 4 contenders x (full, causal)
+    for causal in (False, True):
+        for name in ("tk_reference", "xla"):
+            o = statuses[(name, causal)]
+            assert o["status"] == "ok", o
+            assert o["metrics"]["tflops"] > 0
+    markdown = (tmp_path / "attention-test-card.md").read_text()
+    assert "tk_reference (TFLOP/s)" in markdown and "| 32 | causal | 64" in markdown
+    assert "attention-test-card.md" in capsys.readouterr().out
+
+
+def test_tiny_based_run_with_decode(tmp_path):
+    argv = ["based", "--tiny", "--fwd-only", "--t", "64", "--reps", "1", "--out",
+            str(tmp_path), "--card-name", "cpu", "--no-plot"]
+    assert main(argv) == 0
+    document = json.loads((tmp_path / "based-cpu.json").read_text())
+    by_name = {o["contender"]: o for o in document["results"]}
+    assert by_name["tk_reference"]["status"] == "ok", by_name["tk_reference"]
+    # On CPU the kernel cannot run: it must be reported, not raised.
+    assert by_name["tk"]["status"] in ("unsupported", "ok"), by_name["tk"]
+    decode = document["decode"]
+    assert decode["status"] == "ok", decode
+    assert decode["floor_bytes"] == based.decode_floor_bytes(2, 2)
+    assert "decode step" in (tmp_path / "based-cpu.md").read_text()

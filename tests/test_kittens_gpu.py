@@ -1,0 +1,56 @@
+"""kittens unit tests on the GPU: each op family runs in a small test kernel
+(cpp/tests/kittens_ops.cu) and is compared with numpy."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def kernels(hopper):
+    from tk_jax import _ext
+
+    ok, why = _ext.test_kernels_available()
+    assert ok, why
+    return True
+
+
+def _call(name, outs, *args):
+    return jax.ffi.ffi_call(name, outs)(*args)
+
+
+@pytest.mark.parametrize("cols", [16, 32, 64, 128])
+@pytest.mark.parametrize("valid_rows", [64, 37, 1])
+def test_load_store_roundtrip_every_swizzle(kernels, rng, cols, valid_rows):
+    x = rng.standard_normal((valid_rows, cols)).astype(jnp.bfloat16)
+    outs = [jax.ShapeDtypeStruct((64, cols), jnp.bfloat16)] * 2
+    y, y_via_shared = _call("tk_test_roundtrip", outs, jnp.asarray(x))
+    expected = np.zeros((64, cols), np.float32)
+    expected[:valid_rows] = x.astype(np.float32)  # rows past the input's end load as zeros
+    np.testing.assert_array_equal(np.asarray(y, np.float32), expected)
+    np.testing.assert_array_equal(np.asarray(y_via_shared, np.float32), expected)
+
+
+@pytest.mark.parametrize("dtype,target", [(jnp.bfloat16, "tk_test_mma_bf16"), (jnp.float16, "tk_test_mma_f16")])
+def test_mma_ab_and_abt(kernels, rng, dtype, target):
+    a, b, c = (rng.standard_normal((64, 64)).astype(dtype) for _ in range(3))
+    outs = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 2
+    ab, abt = _call(target, outs, jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))
+    a64, b64, c64 = (m.astype(np.float64) for m in (a, b, c))
+    np.testing.assert_allclose(np.asarray(ab), a64 @ b64, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(abt), a64 @ c64.T, rtol=1e-4, atol=1e-3)
+
+
+def test_maps_reductions_broadcasts_masks(kernels, rng):
+    x = (3 * rng.standard_normal((64, 64))).astype(jnp.bfloat16)
+    outs = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 2 + [jax.ShapeDtypeStruct((64,), jnp.float32)] * 2
+    softmax, masked, row_max, row_sum = _call("tk_test_rowops", outs, jnp.asarray(x))
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(row_max), x64.max(1), rtol=0, atol=0)
+    np.testing.assert_allclose(np.asarray(row_sum), x64.sum(1), rtol=1e-5, atol=1e-4)
+    p = np.exp2(x64 - x64.max(1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(softmax), p / p.sum(1, keepdims=True), rtol=2e-5, atol=1e-6)
+    causal = np.where(np.tril(np.ones((64, 64), bool)), x64, -1e30) * 2
+    np.testing.assert_allclose(np.asarray(masked), causal, rtol=1e-6)

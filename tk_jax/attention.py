@@ -1,0 +1,220 @@
+"""Public softmax attention: validate the arguments, choose a backend, differentiate.
+
+    flash_attention(q, k, v, ...)              checks arguments, folds batch dims into B
+      -> _attention  (one jax.custom_vjp)      rank-4 [B, T, H, D] from here on
+           forward:  attention_fwd_impl         kernel or reference forward -> (o, lse)
+           backward: attention_bwd_impl         reference backward for both backends (for now)
+
+The backend is resolved to "kernel" or "reference" in Python, while tracing, before any custom
+call is emitted (see tk_jax/_backend.py). attention_fwd_impl and attention_bwd_impl are also the
+building blocks of ring attention, which calls them on one block of the sequence at a time.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+
+from tk_jax._backend import BACKENDS, select_backend
+from tk_jax._checks import check_array, check_positive_finite, check_same
+from tk_jax.reference import attention as reference_attention
+
+OP = "flash_attention"
+RESOLVED_BACKENDS = ("kernel", "reference")
+
+
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                    return_lse=False, backend="auto"):
+    """Softmax attention softmax(scale * q k^T + mask) v, differentiable in q, k and v.
+
+    Args:
+      q: [..., Tq, Hq, D] queries, bfloat16, float16 or float32.
+      k: [..., Tk, Hkv, D] keys, same dtype and leading batch dims as q; Hq % Hkv == 0
+        (grouped-query attention: query head h reads kv head h // (Hq // Hkv)).
+      v: values, same shape as k.
+      causal: shorthand for window_right = 0 (bottom-right aligned, as FlashAttention: with
+        Tq != Tk the last query lines up with the last key). Any window_size[1] is replaced.
+      softmax_scale: a positive finite Python number; None means 1 / sqrt(D).
+      window_size: (window_left, window_right), each -1 (unbounded) or >= 0. Query i may see
+        key j iff j >= i + (Tk - Tq) - window_left and j <= i + (Tk - Tq) + window_right.
+      return_lse: also return the natural-log logsumexp of the scaled, masked scores.
+      backend: "auto" (the kernel on a Hopper GPU when it supports these inputs, else the
+        reference), "kernel" (raise ValueError if it cannot run) or "reference" (pure JAX).
+
+    Returns:
+      o [..., Tq, Hq, D] in q's dtype, and with return_lse also lse [..., Hq, Tq] float32.
+      A query that sees no key gets o = 0, lse = -inf and zero gradients.
+    """
+    _check_qkv(q, k, v)
+    scale = _resolve_scale(softmax_scale, head_dim=q.shape[-1])
+    window_left, window_right = _check_window_size(window_size)
+    _check_bool(causal, "causal")
+    _check_bool(return_lse, "return_lse")
+    _check_backend_name(backend)
+    if causal:
+        window_right = 0
+
+    batch_shape = q.shape[:-3]
+    q4, k4, v4 = (_fold_batch_dims(x) for x in (q, k, v))
+    resolved = choose_backend(q4, k4, v4, backend)
+    o, lse = _attention(q4, k4, v4, scale, window_left, window_right, resolved)
+
+    o = o.reshape(batch_shape + o.shape[1:])
+    if not return_lse:
+        return o
+    return o, lse.reshape(batch_shape + lse.shape[1:])
+
+
+def choose_backend(q, k, v, backend: str) -> str:
+    """Resolve "auto" | "kernel" | "reference" to "kernel" or "reference" for rank-4 inputs."""
+    unsupported = None
+    if backend != "reference":  # the reference needs no kernel, so don't import the wrappers
+        try:
+            from tk_jax import _kernels
+        except ImportError as err:
+            unsupported = f"the kernel wrappers (tk_jax._kernels) failed to import: {err}"
+        else:
+            unsupported = _kernels.attention_kernel_unsupported(q, k, v)
+    return select_backend(backend, unsupported=unsupported, op=OP)
+
+
+# ----------------------------------------------------------------------------------------------
+# The two halves of the computation, for rank-4 inputs and a resolved backend.
+
+
+def attention_fwd_impl(q, k, v, *, scale, window_left, window_right, backend):
+    """(o [B, Tq, Hq, D] in q's dtype, lse [B, Hq, Tq] float32) from the chosen backend."""
+    _check_resolved(backend)
+    if backend == "kernel":
+        from tk_jax import _kernels
+        return _kernels.attention_fwd(q, k, v, scale=scale, window_left=window_left,
+                                      window_right=window_right)
+    return reference_attention.attention_forward(q, k, v, scale=scale, window_left=window_left,
+                                                 window_right=window_right)
+
+
+def attention_bwd_impl(q, k, v, o, lse, do, *, scale, window_left, window_right, backend,
+                       dlse=None):
+    """(dq, dk, dv) in the dtypes of q, k, v for output cotangent `do` and, optionally, the
+    cotangent `dlse` [B, Hq, Tq] of lse (None: lse is not differentiated, which is cheaper).
+
+    The one dispatch point for the backward: there is no kernel backward yet, so both backends
+    use the reference. o and lse are used as given (ring attention passes the global ones).
+    """
+    _check_resolved(backend)
+    dq, dk, dv = reference_attention.attention_backward(
+        q, k, v, o, lse, do, scale=scale, window_left=window_left, window_right=window_right,
+        dlse=dlse)
+    # custom_vjp requires each cotangent in its primal's dtype.
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Differentiation. The custom_vjp keeps autodiff away from the kernel (it has no JAX derivative)
+# and from the reference's inner loop (its derivative would store every score block).
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention(q, k, v, scale, window_left, window_right, backend):
+    return attention_fwd_impl(q, k, v, scale=scale, window_left=window_left,
+                              window_right=window_right, backend=backend)
+
+
+def _attention_forward_rule(q, k, v, scale, window_left, window_right, backend):
+    # With symbolic_zeros=True the differentiable inputs arrive wrapped (value, perturbed).
+    q, k, v = q.value, k.value, v.value
+    o, lse = attention_fwd_impl(q, k, v, scale=scale, window_left=window_left,
+                                window_right=window_right, backend=backend)
+    return (o, lse), (q, k, v, o, lse)
+
+
+def _attention_backward_rule(scale, window_left, window_right, backend, residuals, cotangents):
+    q, k, v, o, lse = residuals
+    do, dlse = cotangents
+    # Symbolic zeros tell us which outputs were used: lse usually is not, and skipping its
+    # cotangent saves work; an unused o (only lse differentiated) still needs a real zero.
+    if isinstance(dlse, SymbolicZero):
+        dlse = None
+    if isinstance(do, SymbolicZero):
+        do = jnp.zeros_like(o)
+    return attention_bwd_impl(q, k, v, o, lse, do, scale=scale, window_left=window_left,
+                              window_right=window_right, backend=backend, dlse=dlse)
+
+
+_attention.defvjp(_attention_forward_rule, _attention_backward_rule, symbolic_zeros=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks. Every error names the argument, the value given and what is accepted.
+
+
+def _check_qkv(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_array(x, name, min_ndim=4, op=OP)
+    check_same({"q": q.dtype, "k": k.dtype, "v": v.dtype}, "dtype", OP)
+    check_same({"q": q.shape[:-3], "k": k.shape[:-3], "v": v.shape[:-3]},
+               "leading batch dimensions (all but the last three)", OP)
+    check_same({"q": q.shape[-1], "k": k.shape[-1], "v": v.shape[-1]},
+               "head_dim (the last dimension)", OP)
+    check_same({"k": k.shape, "v": v.shape}, "shape", OP)
+    if q.shape[-1] == 0:
+        raise ValueError(f"{OP}: q has head_dim 0 (shape {tuple(q.shape)}); head_dim must be >= 1")
+    q_heads, kv_heads = q.shape[-2], k.shape[-2]
+    if kv_heads == 0 or q_heads % kv_heads != 0:
+        raise ValueError(
+            f"{OP}: q has {q_heads} heads and k, v have {kv_heads} (axis -2); the number of q "
+            f"heads must be a positive multiple of the number of k/v heads")
+
+
+def _resolve_scale(softmax_scale, *, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    # The scale is a static attribute of the kernel, so it must be a concrete Python number:
+    # a JAX array (possibly traced) is refused even when it holds one element.
+    is_number = isinstance(softmax_scale, numbers.Real) and not isinstance(
+        softmax_scale, (bool, np.bool_, np.ndarray, jax.Array))
+    if not is_number:
+        raise TypeError(
+            f"{OP}: softmax_scale must be None or a positive finite Python number, got "
+            f"{type(softmax_scale).__name__} {softmax_scale!r}")
+    return check_positive_finite(softmax_scale, "softmax_scale", OP)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_window_size(window_size) -> tuple[int, int]:
+    accepted = "a pair (window_left, window_right) of ints, each -1 (unbounded) or >= 0"
+    if not isinstance(window_size, (tuple, list)) or not all(_is_int(w) for w in window_size):
+        raise TypeError(f"{OP}: window_size must be {accepted}, got {window_size!r}")
+    if len(window_size) != 2 or any(w < -1 for w in window_size):
+        raise ValueError(f"{OP}: window_size must be {accepted}, got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check_bool(value, name: str) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{OP}: {name} must be a Python bool (True or False), "
+                        f"got {type(value).__name__} {value!r}")
+
+
+def _check_backend_name(backend) -> None:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{OP}: backend={backend!r} is not one of {BACKENDS}")
+
+
+def _check_resolved(backend) -> None:
+    if backend not in RESOLVED_BACKENDS:
+        raise ValueError(f"attention backend must be resolved to one of {RESOLVED_BACKENDS} "
+                         f"(see choose_backend), got {backend!r}")
+
+
+def _fold_batch_dims(x):
+    """[..., T, H, D] -> [B, T, H, D], B the product of the leading dims (a view, no copy)."""
+    return x.reshape((math.prod(x.shape[:-3]),) + x.shape[-3:])

@@ -1,0 +1,196 @@
+"""Benchmarks of tk_jax's kernels against their peers: `python -m tk_jax.bench --help`.
+
+Layout of this package:
+    __main__.py   command line: parses options, runs suites, writes reports
+    attention.py  flash attention configurations and contenders (tk, cuDNN, FA3, XLA)
+    based.py      Based linear attention contenders (tk, plain-JAX reference, fla) and decode
+    timing.py     the one timing routine every contender goes through
+    report.py     markdown tables, JSON and plots
+    __init__.py   (this file) the shared vocabulary: Contender, Outcome, and the loop that
+                  measures every contender on every configuration
+
+Every peer is optional: a contender that cannot be imported, does not support a configuration
+or fails is recorded as such in the results, and the run goes on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import importlib
+import importlib.metadata
+import math
+import traceback
+from typing import Any, Callable, Iterable
+
+from tk_jax.bench.timing import Runner, measure
+
+# Roles decide what the "tk / best peer" ratio compares.
+OURS = "ours"          # tk_jax's kernel: the numerator
+PEER = "peer"          # other libraries: the best of them is the denominator
+BASELINE = "baseline"  # shown for context only (e.g. tk_jax's own plain-JAX reference)
+
+# Outcome statuses.
+OK = "ok"
+UNSUPPORTED = "unsupported"   # the contender declines this configuration
+SKIPPED = "skipped"           # we chose not to run it (e.g. XLA at long sequences)
+UNAVAILABLE = "unavailable"   # not importable on this machine
+ERROR = "error"               # it raised while compiling or running
+
+
+class Unsupported(Exception):
+    """Raised by a contender's `prepare` when it does not handle a configuration."""
+
+
+class Skipped(Exception):
+    """Raised by a contender's `prepare` when the benchmark deliberately leaves it out."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    """One implementation being timed.
+
+    name:          short column name ("tk", "cudnn", ...)
+    description:   what exactly is called, for --list and the report
+    role:          OURS, PEER or BASELINE
+    unavailable:   returns None when usable here, else a sentence saying why not
+    prepare:       prepare(config) -> Runner; compiles and allocates inputs; may raise
+                   Unsupported or Skipped
+    version:       returns the peer's version string (or "")
+    """
+
+    name: str
+    description: str
+    role: str
+    unavailable: Callable[[], str | None]
+    prepare: Callable[[Any], Runner]
+    version: Callable[[], str] = lambda: ""
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What happened to one contender on one configuration."""
+
+    config: dict
+    contender: str
+    role: str
+    status: str
+    reason: str = ""
+    median_ms: float | None = None
+    min_ms: float | None = None
+    max_ms: float | None = None
+    reps: int | None = None
+    calls_per_rep: int | None = None
+    metrics: dict = dataclasses.field(default_factory=dict)  # e.g. {"tflops": 512.3}
+
+
+def module_unavailable(module: str) -> str | None:
+    """None when `module` imports, else why not (for Contender.unavailable)."""
+    try:
+        importlib.import_module(module)
+    except Exception as err:  # ImportError, or a binary extension that fails to load
+        return f"cannot import {module}: {short_error(err)}"
+    return None
+
+
+def distribution_version(name: str) -> str:
+    """Installed version of a distribution, or "" when it is not installed."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def random_normal_sets(shapes: list[tuple[int, ...]], n_sets: int, *, seed: int = 0,
+                       dtype: str = "bfloat16") -> list[tuple]:
+    """`n_sets` tuples of random normal JAX arrays with the given shapes, on the default device
+    (random, never zeros: a kernel may take shortcuts on zeros)."""
+    import jax
+
+    make = _normal_maker(tuple(tuple(s) for s in shapes), n_sets, dtype)
+    return make(jax.random.key(seed))
+
+
+@functools.lru_cache(maxsize=8)
+def _normal_maker(shapes: tuple, n_sets: int, dtype: str):
+    """One compiled function drawing a single flat sample and cutting it into the arrays:
+    one random draw compiles far faster than one per array. Cached so contenders on the same
+    configuration reuse it."""
+    import jax
+
+    sizes = [math.prod(shape) for shape in shapes]
+
+    def make(key):
+        flat = jax.random.normal(key, (n_sets * sum(sizes),), dtype)
+        sets, offset = [], 0
+        for _ in range(n_sets):
+            arrays = []
+            for shape, size in zip(shapes, sizes):
+                arrays.append(flat[offset:offset + size].reshape(shape))
+                offset += size
+            sets.append(tuple(arrays))
+        return sets
+
+    return jax.jit(make)
+
+
+def short_error(err: BaseException, limit: int = 300) -> str:
+    """`Type: message` on one line, cut to `limit` characters."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def run_one(contender: Contender, config: Any, config_dict: dict, *, reps: int,
+            verbose_errors: bool = False) -> Outcome:
+    """Prepare and time one contender on one configuration; never raises (except on Ctrl-C)."""
+
+    def outcome(status: str, reason: str = "", **measured) -> Outcome:
+        return Outcome(config=config_dict, contender=contender.name, role=contender.role,
+                       status=status, reason=reason, **measured)
+
+    why_not = contender.unavailable()
+    if why_not is not None:
+        return outcome(UNAVAILABLE, why_not)
+    runner = None
+    try:
+        runner = contender.prepare(config)
+        result = measure(runner, reps=reps)
+    except Unsupported as err:
+        return outcome(UNSUPPORTED, str(err))
+    except Skipped as err:
+        return outcome(SKIPPED, str(err))
+    except Exception as err:  # a failing peer must not end the run
+        if verbose_errors:
+            traceback.print_exc()
+        return outcome(ERROR, short_error(err))
+    finally:
+        # Drop inputs and executables before the next contender allocates its own.
+        release = runner.release if runner is not None else None
+        del runner
+        gc.collect()
+        if release is not None:
+            release()
+    return outcome(OK, median_ms=result.median_s * 1e3, min_ms=result.min_s * 1e3,
+                   max_ms=result.max_s * 1e3, reps=result.reps,
+                   calls_per_rep=result.calls_per_rep)
+
+
+def run_grid(configs: Iterable[Any], contenders: list[Contender], *, reps: int,
+             to_dict: Callable[[Any], dict], add_metrics: Callable[[Any, Outcome], None],
+             on_outcome: Callable[[Any, Outcome], None],
+             verbose_errors: bool = False) -> list[Outcome]:
+    """The benchmark loop: every contender on every configuration, in order.
+
+    `add_metrics(config, outcome)` fills outcome.metrics for successful runs;
+    `on_outcome(config, outcome)` is called after each measurement (progress, incremental JSON).
+    """
+    outcomes = []
+    for config in configs:
+        for contender in contenders:
+            result = run_one(contender, config, to_dict(config), reps=reps,
+                             verbose_errors=verbose_errors)
+            if result.status == OK:
+                add_metrics(config, result)
+            outcomes.append(result)
+            on_outcome(config, result)
+    return outcomes

@@ -1,0 +1,397 @@
+"""Command line: `python -m tk_jax.bench attention|based|all [options]`.
+
+Examples:
+    python -m tk_jax.bench --list                      # which contenders can run here
+    python -m tk_jax.bench attention --quick           # a few points, a minute or two
+    python -m tk_jax.bench attention --d 128 --t 4k,16k --causal yes
+    python -m tk_jax.bench based --fwd-only
+    python -m tk_jax.bench all --dry-run               # print the plan, run nothing
+
+Results go to <out>/<suite>-<card>.json (rewritten after every measurement, so a run cut
+short keeps what it measured), <suite>-<card>.md and <suite>-<card>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+import time
+from typing import Any, Callable
+
+from tk_jax.bench import (OK, Contender, Outcome, distribution_version, run_grid, run_one,
+                          short_error)
+from tk_jax.bench import attention, based, report, timing
+
+DEFAULT_OUT = os.path.join("bench", "results")
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one suite will run and how its results are laid out."""
+
+    suite: str
+    configs: list
+    contenders: list[Contender]
+    to_dict: Callable[[Any], dict]
+    add_metrics: Callable[[Any, Outcome], None]
+    table: report.TableSpec
+    plot: dict                    # keyword arguments for report.write_plot
+    decode_shape: tuple[int, int] | None = None  # (batch, heads) of the decode step, if any
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments.
+
+def parse_int_list(text: str) -> list[int]:
+    """'512,1k,16k' -> [512, 1024, 16384]."""
+    values = []
+    for item in text.replace(" ", "").split(","):
+        if not item:
+            continue
+        scale = 1024 if item.lower().endswith("k") else 1
+        number = item[:-1] if scale == 1024 else item
+        try:
+            value = int(number) * scale
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers such as 512,1k,16k; got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"values must be positive, got {item!r}")
+        values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one value, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tk_jax.bench",
+        description="Time tk_jax's kernels and their peers on this machine's first device.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Peers (cuDNN, FlashAttention-3, XLA, fla) are optional: whatever cannot run "
+               "is reported in the table and the run goes on.")
+    parser.add_argument("suite", nargs="?", default="all", choices=["attention", "based", "all"])
+    parser.add_argument("--list", "--peers-only", dest="list", action="store_true",
+                        help="show the contenders, whether they can run here, and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the configurations and contenders, run nothing")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small subset: attention D=128, T=1k,4k; based T=1k,8k")
+    parser.add_argument("--tiny", action="store_true",
+                        help="toy shapes that run in seconds on a CPU (smoke test only)")
+    parser.add_argument("--d", type=parse_int_list, help="attention head dims, e.g. 64,128")
+    parser.add_argument("--t", type=parse_int_list, help="sequence lengths, e.g. 1k,4k,16k")
+    parser.add_argument("--causal", choices=["both", "yes", "no"], default="both",
+                        help="attention masks to run (default both)")
+    parser.add_argument("--fwd-only", action="store_true", help="forward pass only")
+    parser.add_argument("--reps", type=int, default=10,
+                        help="timed repeats per point; the median is reported (default 10)")
+    parser.add_argument("--contenders", type=lambda s: [x for x in s.split(",") if x],
+                        help="only these contenders (names as in --list), comma-separated")
+    parser.add_argument("--tk-backend", default="kernel", choices=["kernel", "auto", "reference"],
+                        help='backend for the "tk" contender (default kernel)')
+    parser.add_argument("--no-decode", action="store_true", help="skip the Based decode step")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    parser.add_argument("--card-name", help="card name in file names (default: from the device)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep results of an earlier JSON for points not measured in this "
+                             "run (to assemble a full grid from several shorter runs)")
+    parser.add_argument("--no-plot", action="store_true", help="do not write PNG plots")
+    parser.add_argument("--verbose", action="store_true", help="print tracebacks of errors")
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps must be >= 1, got {args.reps}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans.
+
+def _causal_values(choice: str) -> tuple[bool, ...]:
+    return {"both": (False, True), "yes": (True,), "no": (False,)}[choice]
+
+
+def attention_plan(args: argparse.Namespace) -> Plan:
+    if args.tiny:
+        t_values, d_values = attention.TINY_T, attention.TINY_D
+        sizes = dict(tokens=attention.TINY_TOKENS, width=attention.TINY_WIDTH)
+    elif args.quick:
+        t_values, d_values, sizes = attention.QUICK_T, attention.QUICK_D, {}
+    else:
+        t_values, d_values, sizes = attention.T_GRID, attention.D_GRID, {}
+    t_values, d_values = args.t or t_values, args.d or d_values
+    tokens = sizes.get("tokens", attention.TOKENS)
+    width = sizes.get("width", attention.MODEL_WIDTH)
+    for name, values, total in (("T", t_values, tokens), ("D", d_values, width)):
+        left_out = [v for v in values if total % v]
+        if left_out:
+            print(f"note: attention {name} = {left_out} left out: must divide {total}",
+                  file=sys.stderr)
+    configs = attention.make_configs(
+        t_values, d_values, _causal_values(args.causal),
+        (False,) if args.fwd_only else (False, True), **sizes)
+    return Plan(
+        suite="attention", configs=configs,
+        contenders=attention.contenders(args.tk_backend),
+        to_dict=attention.config_to_dict, add_metrics=attention.add_metrics,
+        table=report.TableSpec(
+            group_field="pass", key_fields=("d", "causal", "t", "batch", "heads"),
+            metric=lambda o: o["metrics"]["tflops"], metric_name="TFLOP/s",
+            higher_is_better=True, key_format={"causal": lambda c: "causal" if c else "full"}),
+        plot=dict(panel_fields=("d", "causal", "pass"), x_field="t",
+                  metric=lambda o: o["metrics"]["tflops"], metric_name="TFLOP/s",
+                  panel_format=lambda p: (f"D={p['d']} {'causal' if p['causal'] else 'full'} "
+                                          f"{p['pass']}")))
+
+
+def based_plan(args: argparse.Namespace) -> Plan:
+    if args.tiny:
+        t_values = based.TINY_T
+        shape = dict(batch=based.TINY_BATCH, heads=based.TINY_HEADS)
+        decode_shape = (based.TINY_BATCH, based.TINY_HEADS)
+    else:
+        t_values = based.QUICK_T if args.quick else based.T_GRID
+        shape, decode_shape = {}, (based.DECODE_BATCH, based.HEADS)
+    configs = based.make_configs(args.t or t_values, (False,) if args.fwd_only else (False, True),
+                                 **shape)
+    return Plan(
+        suite="based", configs=configs,
+        contenders=based.contenders(args.tk_backend),
+        to_dict=based.config_to_dict, add_metrics=based.add_metrics,
+        table=report.TableSpec(group_field="pass", key_fields=("t", "batch", "heads"),
+                               metric=lambda o: o["median_ms"], metric_name="ms",
+                               higher_is_better=False),
+        plot=dict(panel_fields=("pass",), x_field="t", metric=lambda o: o["median_ms"],
+                  metric_name="ms", log_y=True),
+        decode_shape=None if args.no_decode else decode_shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment header.
+
+def describe_environment(*, measure_overhead: bool) -> dict:
+    """Device and versions, for the header and the JSON."""
+    import jax
+
+    env: dict[str, Any] = {"python": sys.version.split()[0], "jax": jax.__version__,
+                           "jaxlib": distribution_version("jaxlib") or "?"}
+    try:
+        devices = jax.devices()
+        env["device"] = f"{devices[0].device_kind} ({devices[0].platform}, {len(devices)} visible)"
+        env["platform_version"] = getattr(devices[0].client, "platform_version", "?")
+    except Exception as err:
+        env["device"] = f"none: {short_error(err)}"
+    try:
+        import tk_jax
+
+        env["tk_jax"] = distribution_version("tk_jax") or getattr(tk_jax, "__version__", "?")
+        info = tk_jax.info()
+        env["tk_jax.info()"] = info if isinstance(info, (str, dict)) else str(info)
+    except Exception as err:
+        env["tk_jax.info()"] = f"failed: {short_error(err)}"
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
+    if measure_overhead:
+        try:
+            env["jax dispatch overhead (us/call)"] = round(
+                timing.jax_dispatch_overhead_seconds() * 1e6, 1)
+        except Exception as err:
+            env["jax dispatch overhead (us/call)"] = f"failed: {short_error(err)}"
+    return env
+
+
+def describe_contenders(contenders: list[Contender]) -> dict:
+    """name -> what it calls, and its version or why it cannot run here."""
+    described = {}
+    for contender in contenders:
+        why_not = contender.unavailable()
+        if why_not is None:
+            version = contender.version()
+            state = f"version {version}" if version else "available"
+        else:
+            state = f"UNAVAILABLE: {why_not}"
+        described[contender.name] = f"{contender.description}; {state}"
+    return described
+
+
+def card_name(args: argparse.Namespace) -> str:
+    if args.card_name:
+        return report.sanitize_card_name(args.card_name)
+    try:
+        import jax
+
+        return report.sanitize_card_name(jax.devices()[0].device_kind)
+    except Exception:
+        return "unknown"
+
+
+def header_lines(environment: dict, plans: list[Plan]) -> list[str]:
+    lines = report.environment_lines(environment)
+    for plan in plans:
+        lines += [f"{plan.suite} contender {name}: {text}"
+                  for name, text in describe_contenders(plan.contenders).items()]
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a plan.
+
+def _progress_line(index: int, total: int, label: str, outcome: Outcome) -> str:
+    if outcome.status == OK:
+        metrics = "  ".join(f"{k}={report.format_number(v)}" for k, v in outcome.metrics.items())
+        result = f"{report.format_number(outcome.median_ms)} ms  {metrics}"
+    else:
+        result = f"{outcome.status.upper()}: {outcome.reason}"
+    return f"[{index:>3}/{total}] {label:<42} {outcome.contender:<16} {result}"
+
+
+def run_decode(plan: Plan, args: argparse.Namespace) -> dict:
+    """The decode step next to its memory floor (bytes of state read and written, at the
+    copy bandwidth measured on this card in the same run)."""
+    batch, heads = plan.decode_shape
+    floor_bytes = based.decode_floor_bytes(batch, heads)
+    config = dict(batch=batch, heads=heads, feature=based.FEATURE, value_dim=based.VALUE_DIM)
+    outcome = run_one(based.decode_contender(batch, heads), None, config, reps=args.reps,
+                      verbose_errors=args.verbose)
+    result = dataclasses.asdict(outcome)
+    result["floor_bytes"] = floor_bytes
+    try:
+        bandwidth = based.copy_bandwidth_bytes_per_s(
+            reps=args.reps, n_bytes=(4 if args.tiny else 512) * 2**20)
+        result["copy_bytes_per_s"] = bandwidth
+        result["floor_us"] = floor_bytes / bandwidth * 1e6
+    except Exception as err:
+        result["copy_bandwidth_error"] = short_error(err)
+    return result
+
+
+def run_plan(plan: Plan, args: argparse.Namespace, environment: dict, card: str) -> None:
+    stem = os.path.join(args.out, f"{plan.suite}-{card}")
+    json_path = stem + ".json"
+    previous, earlier = [], None
+    if args.merge:
+        earlier = report.read_json(json_path) or {}
+        previous = earlier.get("results", [])
+    document = {"suite": plan.suite, "card": card, "command": args.command,
+                "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                "environment": environment,
+                "contenders": describe_contenders(plan.contenders),
+                "results": list(previous)}
+    if earlier and earlier.get("decode"):
+        document["decode"] = earlier["decode"]  # replaced below if measured again
+    fresh: list[dict] = []
+    total = len(plan.configs) * len(plan.contenders)
+    started = time.perf_counter()
+    print(f"== {plan.suite}: {len(plan.configs)} configurations x {len(plan.contenders)} "
+          f"contenders ==", flush=True)
+
+    def on_outcome(config, outcome: Outcome) -> None:
+        fresh.append(dataclasses.asdict(outcome))
+        print(_progress_line(len(fresh), total, config.label(), outcome), flush=True)
+        document["results"] = report.merge_outcomes(previous, fresh)
+        report.write_json(json_path, document)
+
+    try:
+        run_grid(plan.configs, plan.contenders, reps=args.reps, to_dict=plan.to_dict,
+                 add_metrics=plan.add_metrics, on_outcome=on_outcome,
+                 verbose_errors=args.verbose)
+        if plan.decode_shape is not None:
+            print(f"-- {plan.suite}: decode step --", flush=True)
+            document["decode"] = run_decode(plan, args)
+            report.write_json(json_path, document)
+    finally:  # also on Ctrl-C: report what was measured
+        document["elapsed_s"] = round(time.perf_counter() - started, 1)
+        print(f"== {plan.suite}: {len(fresh)} measurements in {document['elapsed_s']} s ==")
+        report.write_json(json_path, document)
+        write_reports(plan, document, stem, plot=not args.no_plot)
+
+
+def write_reports(plan: Plan, document: dict, stem: str, *, plot: bool) -> None:
+    outcomes = document["results"]
+    names = [c.name for c in plan.contenders]
+    title = f"{plan.suite} on {document['card']}"
+    header = report.environment_lines(document["environment"]) + [
+        f"contender {name}: {text}" for name, text in document["contenders"].items()]
+    parts = [f"# {title}", "", "\n".join(f"- {line}" for line in header), ""]
+    if outcomes:
+        parts.append(report.results_tables(outcomes, names, plan.table))
+    if document.get("decode"):
+        parts += ["", "### decode step", "", report.decode_table(document["decode"])]
+    text = "\n".join(parts)
+    print("\n" + text + "\n")
+    report.write_text(stem + ".md", text)
+    written = [stem + ".json", stem + ".md"]
+    if plot and outcomes:
+        try:
+            png = report.write_plot(stem + ".png", outcomes, contender_names=names, title=title,
+                                    **plan.plot)
+            written.append(png or "(no plot: matplotlib not installed or nothing measured)")
+        except Exception as err:  # a plotting problem must not lose the run
+            written.append(f"(plot failed: {short_error(err)})")
+    print("wrote " + ", ".join(written), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+
+def print_contenders(plans: list[Plan]) -> None:
+    for plan in plans:
+        print(f"{plan.suite}:")
+        for c in plan.contenders:
+            why_not = c.unavailable()
+            state = f"available {c.version()}".rstrip() if why_not is None else \
+                f"UNAVAILABLE ({why_not})"
+            print(f"  {c.name:<16} {c.role:<9} {state}\n  {'':<16} {c.description}")
+        if plan.decode_shape is not None:
+            print(f"  (+ decode step B={plan.decode_shape[0]} H={plan.decode_shape[1]})")
+
+
+def print_plan(plans: list[Plan]) -> None:
+    for plan in plans:
+        print(f"{plan.suite}: {len(plan.configs)} configurations x {len(plan.contenders)} "
+              f"contenders ({', '.join(c.name for c in plan.contenders)})")
+        for config in plan.configs:
+            print(f"  {config.label()}")
+        if plan.decode_shape is not None:
+            print(f"  decode step B={plan.decode_shape[0]} H={plan.decode_shape[1]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    # By default JAX grabs 75% of GPU memory when it creates its GPU client (the first
+    # jax.devices() below), which would starve PyTorch (fla) in the same process.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    args = parse_args(argv)
+    args.command = " ".join(["python -m tk_jax.bench"] + (sys.argv[1:] if argv is None else argv))
+    suites = ["attention", "based"] if args.suite == "all" else [args.suite]
+    plans = [attention_plan(args) if s == "attention" else based_plan(args) for s in suites]
+    if args.contenders:
+        known = [c.name for plan in plans for c in plan.contenders]
+        known += [based.DECODE_NAME for plan in plans if plan.decode_shape is not None]
+        unknown = sorted(set(args.contenders) - set(known))
+        if unknown:
+            print(f"--contenders: unknown {', '.join(unknown)}; known here: {', '.join(known)}",
+                  file=sys.stderr)
+            return 2
+        for plan in plans:
+            plan.contenders = [c for c in plan.contenders if c.name in args.contenders]
+            if based.DECODE_NAME not in args.contenders:
+                plan.decode_shape = None
+    if args.list:
+        print("\n".join(report.environment_lines(describe_environment(measure_overhead=False))))
+        print()
+        print_contenders(plans)
+        return 0
+    environment = describe_environment(measure_overhead=not args.dry_run)
+    print("tk_jax benchmark")
+    print("\n".join(f"  {line}" for line in header_lines(environment, plans)) + "\n", flush=True)
+    if args.dry_run:
+        print_plan(plans)
+        return 0
+    card = card_name(args)
+    for plan in plans:
+        run_plan(plan, args, environment, card)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

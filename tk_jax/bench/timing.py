@@ -1,0 +1,143 @@
+"""How one prepared call is timed. Every contender, JAX or PyTorch, goes through `measure`.
+
+A sample is the wall time of a loop of `calls` back-to-back calls divided by `calls`; the loop
+is long enough (about `min_rep_seconds`) that launch latency and the final synchronisation are
+amortised. The reported time is the median sample over `reps` repeats, after warm-up (compile,
+autotuning, allocator growth).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Any, Callable, Protocol
+
+# Hopper's L2 is 50 MB. Inputs that fit in it would be served from cache when the same
+# arrays are passed again, so small problems rotate among several input sets.
+L2_BYTES = 50 * 2**20
+
+
+def input_sets_needed(bytes_per_set: int, max_sets: int = 3) -> int:
+    """How many distinct input sets to rotate through so that consecutive calls do not
+    find their inputs in L2: enough sets to cover twice the L2 size, at most `max_sets`."""
+    if bytes_per_set <= 0:
+        return max_sets
+    return max(1, min(max_sets, math.ceil(2 * L2_BYTES / bytes_per_set)))
+
+
+class Clock(Protocol):
+    """Measures device time of the work queued between start() and stop()."""
+
+    def start(self) -> Any: ...
+
+    def stop(self, token: Any, last_output: Any) -> float:
+        """Seconds since start(), once the work that produced `last_output` has finished."""
+        ...
+
+    def sync(self, last_output: Any) -> None: ...
+
+
+class JaxClock:
+    """Host clock around JAX's asynchronous dispatch: the queue is drained before start, and
+    stop waits for the last output (XLA runs calls on one stream in order)."""
+
+    def start(self) -> float:
+        return time.perf_counter()
+
+    def stop(self, token: float, last_output: Any) -> float:
+        self.sync(last_output)
+        return time.perf_counter() - token
+
+    def sync(self, last_output: Any) -> None:
+        import jax
+
+        jax.block_until_ready(last_output)
+
+
+class TorchCudaClock:
+    """CUDA events recorded on PyTorch's current stream: device time, host gaps included."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+
+    def start(self):
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, token, last_output: Any) -> float:
+        end = self._torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return token.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
+
+    def sync(self, last_output: Any) -> None:
+        self._torch.cuda.synchronize()
+
+
+@dataclasses.dataclass
+class Runner:
+    """A contender compiled for one configuration, ready to be timed.
+
+    `call(i)` runs it on input set `i` (0 <= i < n_sets) and returns its output without
+    waiting for it; `clock` knows how to wait. `release`, if given, is called once the runner
+    is dropped (e.g. to hand PyTorch's cached memory back before JAX needs it).
+    """
+
+    call: Callable[[int], Any]
+    n_sets: int
+    clock: Clock
+    release: Callable[[], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    median_s: float
+    min_s: float
+    max_s: float
+    reps: int
+    calls_per_rep: int
+
+
+def measure(runner: Runner, *, reps: int = 10, warmup: int = 3, min_rep_seconds: float = 0.02,
+            max_calls_per_rep: int = 1000) -> Timing:
+    """Median seconds per call of `runner` (see the module docstring)."""
+    if reps < 1:
+        raise ValueError(f"measure: reps must be >= 1, got {reps}")
+    call, n_sets, clock = runner.call, runner.n_sets, runner.clock
+
+    out = None
+    for i in range(max(warmup, n_sets)):  # every input set at least once
+        out = call(i % n_sets)
+    clock.sync(out)
+
+    # One timed call decides how many calls make a sample long enough.
+    token = clock.start()
+    out = call(0)
+    one_call = max(clock.stop(token, out), 1e-7)
+    calls = max(1, min(max_calls_per_rep, math.ceil(min_rep_seconds / one_call)))
+
+    samples = []
+    for _ in range(reps):
+        clock.sync(out)
+        token = clock.start()
+        for c in range(calls):
+            out = call(c % n_sets)
+        samples.append(clock.stop(token, out) / calls)
+    return Timing(median_s=statistics.median(samples), min_s=min(samples), max_s=max(samples),
+                  reps=reps, calls_per_rep=calls)
+
+
+def jax_dispatch_overhead_seconds(reps: int = 5) -> float:
+    """Per-call time of a trivial jitted function of three arguments: results close to this
+    number measure the host, not the kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    args = [jnp.ones((8,), jnp.float32) for _ in range(3)]
+    trivial = jax.jit(lambda a, b, c: a + b + c)
+    runner = Runner(call=lambda i: trivial(*args), n_sets=1, clock=JaxClock())
+    return measure(runner, reps=reps, min_rep_seconds=0.01).median_s
