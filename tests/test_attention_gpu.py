@@ -21,8 +21,17 @@ def _inputs(rng, b, tq, tk, hq, hkv, d, dtype):
     return q, k, v
 
 
-def _kernel_forward(q, k, v, **kw):
-    fn = jax.jit(lambda q, k, v: tk_jax.flash_attention(q, k, v, backend="kernel", return_lse=True, **kw))
+def _kernel_forward(q, k, v, variant=None, **kw):
+    if variant is None:  # through the public API (the default kernel)
+        fn = jax.jit(lambda q, k, v: tk_jax.flash_attention(q, k, v, backend="kernel", return_lse=True, **kw))
+    else:  # one kernel variant directly
+        from tk_jax import _kernels
+
+        wl, wr = kw.get("window_size", (-1, -1))
+        wr = 0 if kw.get("causal") else wr
+        scale = kw.get("softmax_scale") or 1 / math.sqrt(q.shape[-1])
+        fn = jax.jit(lambda q, k, v: _kernels.attention_fwd(q, k, v, scale=scale, window_left=wl,
+                                                              window_right=wr, variant=variant))
     poison_device_memory(2 * (q.size * q.dtype.itemsize + q.size // q.shape[-1] * 4))
     o, lse = fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     return np.asarray(o.astype(jnp.float32)), np.asarray(lse)
@@ -43,10 +52,11 @@ def _check_forward(q, k, v, scale, wl, wr, **kw):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("t", [1, 100, 1024, 4097])
 @pytest.mark.parametrize("causal", [False, True])
-def test_forward_matches_reference(hopper, rng, dtype, d, t, causal):
+@pytest.mark.parametrize("variant", ["wgmma", "mma_sync"])
+def test_forward_matches_reference(hopper, rng, dtype, d, t, causal, variant):
     b, h = (2, 2) if t <= 1024 else (1, 2)
     q, k, v = _inputs(rng, b, t, t, h, h, d, dtype)
-    _check_forward(q, k, v, 1 / math.sqrt(d), -1, 0 if causal else -1, causal=causal)
+    _check_forward(q, k, v, 1 / math.sqrt(d), -1, 0 if causal else -1, causal=causal, variant=variant)
 
 
 @pytest.mark.parametrize(
@@ -58,12 +68,14 @@ def test_forward_matches_reference(hopper, rng, dtype, d, t, causal):
         (129, 200, 4, 2, True, (63, -1), None),    # causal + left window, GQA
     ],
 )
-def test_forward_masks_gqa_lengths(hopper, rng, tq, tk, hq, hkv, causal, window, scale):
+@pytest.mark.parametrize("variant", ["wgmma", "mma_sync"])
+def test_forward_masks_gqa_lengths(hopper, rng, tq, tk, hq, hkv, causal, window, scale, variant):
     d = 64
     q, k, v = _inputs(rng, 2, tq, tk, hq, hkv, d, jnp.bfloat16)
     s = scale if scale is not None else 1 / math.sqrt(d)
     wr = 0 if causal else window[1]
-    _check_forward(q, k, v, s, window[0], wr, causal=causal, window_size=window, softmax_scale=scale)
+    _check_forward(q, k, v, s, window[0], wr, causal=causal, window_size=window, softmax_scale=scale,
+                   variant=variant)
 
 
 def test_forward_is_deterministic(hopper, rng):

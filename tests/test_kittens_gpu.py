@@ -54,3 +54,16 @@ def test_maps_reductions_broadcasts_masks(kernels, rng):
     np.testing.assert_allclose(np.asarray(softmax), p / p.sum(1, keepdims=True), rtol=2e-5, atol=1e-6)
     causal = np.where(np.tril(np.ones((64, 64), bool)), x64, -1e30) * 2
     np.testing.assert_allclose(np.asarray(masked), causal, rtol=1e-6)
+
+
+def test_tma_and_wgmma(kernels, rng):
+    """TMA loads into swizzled tiles, then wgmma: A B^T from shared memory (K-major) and
+    A C with A in registers and C MN-major."""
+    a = rng.standard_normal((64, 64)).astype(jnp.bfloat16)
+    b = rng.standard_normal((64, 64)).astype(jnp.bfloat16)
+    c = rng.standard_normal((64, 128)).astype(jnp.bfloat16)
+    outs = [jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((64, 128), jnp.float32)]
+    abt, ac = _call("tk_test_wgmma", outs, jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))
+    a64, b64, c64 = (m.astype(np.float64) for m in (a, b, c))
+    np.testing.assert_allclose(np.asarray(abt), a64 @ b64.T, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(ac), a64 @ c64, rtol=1e-4, atol=1e-3)

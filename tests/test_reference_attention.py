@@ -214,18 +214,22 @@ def test_jit_and_vmap_compose():
     assert_close(o, o_ref, 1e-5, "o", seed)
 
 
-@pytest.mark.parametrize("which", ["forward", "backward"])
+@pytest.mark.parametrize("which", ["forward", "backward", "autodiff"])
 def test_memory_is_blockwise_at_16k(which):
     """Compile (not run) Tq = Tk = 16384: temporaries must scale with Tq * block_k, far below
-    the 1 GiB that one [Tq, Tk] float32 score matrix would take."""
+    the 1 GiB that one [Tq, Tk] float32 score matrix would take (also under jax.grad, where
+    the forward's scan would otherwise keep every score block for the backward pass)."""
     b, t, h, d, block_k = 1, 16384, 1, 64, 512
     x = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
     params = dict(scale=0.125, window_left=-1, window_right=0, block_k=block_k)
     if which == "forward":
         compiled = attention_forward.lower(x, x, x, **params).compile()
-    else:
+    elif which == "backward":
         compiled = attention_backward.lower(x, x, x, x, lse, x, **params).compile()
+    else:
+        loss = lambda q, k, v: attention_forward(q, k, v, **params)[0].astype(jnp.float32).sum()
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
     stats = compiled.memory_analysis()
     if stats is None:
         pytest.skip("this jaxlib reports no memory analysis")

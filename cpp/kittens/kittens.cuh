@@ -1,13 +1,17 @@
 // kittens: a small tile library for Hopper kernels, in the spirit of ThunderKittens.
-// Levels: warp (register tiles, mma.sync, maps, reductions), block (cooperative copies).
+// Levels: warp (register tiles, mma.sync, maps, reductions), warpgroup (wgmma, TMA and
+// mbarriers), block (cooperative copies).
 #pragma once
 
 #include "common/base.cuh"
 #include "common/launch.cuh"
+#include "common/tma_host.cuh"
 #include "ops/block/memory.cuh"
 #include "ops/warp/maps.cuh"
 #include "ops/warp/memory.cuh"
 #include "ops/warp/mma.cuh"
+#include "ops/warpgroup/tma.cuh"
+#include "ops/warpgroup/wgmma.cuh"
 #include "types/global_layout.cuh"
 #include "types/register_tile.cuh"
 #include "types/shared_tile.cuh"

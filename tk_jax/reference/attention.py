@@ -145,7 +145,9 @@ def attention_forward(q, k, v, *, scale: float, window_left: int, window_right: 
             jnp.zeros((b, hkv, g, tq), jnp.float32),
             jnp.zeros((b, hkv, g, tq, dv), jnp.float32))
     blocks = (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks)
-    (m, l, acc), _ = lax.scan(step, init, blocks)
+    # Under jax.grad, checkpointing makes each step keep only its carry and recompute its score
+    # block in the backward pass: memory O(Tq * (Tk / block_k) * D) instead of O(Tq * Tk).
+    (m, l, acc), _ = lax.scan(jax.checkpoint(step), init, blocks)
 
     # Rows that saw no key have l = 0: o = 0, lse = -inf. The inner where keeps log and the
     # division finite so that no NaN reaches the gradients either.
@@ -168,7 +170,7 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, window_left: int,
     as dS = P * (dP - delta + dlse).
     """
     _check_inputs(q, k, v, block_k, "attention_backward")
-    b, tq, hq, d = q.shape
+    b, tq, hq, _ = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
     lo, hi, block_k, mask_of = _plan(q, k, window_left, window_right, block_k)
@@ -180,7 +182,8 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, window_left: int,
     delta = jnp.sum(dog * _group_queries(o, hkv), axis=-1)  # rowsum(dO * O): [B, Hkv, G, Tq]
     if dlse is not None:
         delta = delta - dlse.astype(jnp.float32).reshape(b, hkv, g, tq)
-    # Rows with lse = -inf saw no key: using +inf there makes every P entry exp(-inf) = 0.
+    # Rows with lse = -inf saw no key, so the mask already zeroes their P; using +inf there
+    # also keeps exp(s - lse) finite should a caller pass masks that disagree with its lse.
     lse = lse.astype(jnp.float32).reshape(b, hkv, g, tq)
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)[..., None]
 

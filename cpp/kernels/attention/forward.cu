@@ -3,6 +3,7 @@
 
 #include "attention.h"
 #include "forward_kernel.cuh"
+#include "forward_wgmma_kernel.cuh"
 
 namespace tk::attention {
 
@@ -18,14 +19,19 @@ const char* forward_unsupported(const ForwardParams& p) {
   return nullptr;
 }
 
-cudaError_t forward(const ForwardParams& p, cudaStream_t stream) {
-  if (forward_unsupported(p)) return cudaErrorInvalidValue;
-  const bool bf = p.dtype == DType::bf16;
+template <typename T>
+static cudaError_t forward_typed(const ForwardParams& p, cudaStream_t stream) {
+  const bool mma_sync = p.version == ForwardVersion::mma_sync;
   switch (p.head_dim) {
-    case 64: return bf ? launch_forward<bf16, 64>(p, stream) : launch_forward<half, 64>(p, stream);
-    case 128: return bf ? launch_forward<bf16, 128>(p, stream) : launch_forward<half, 128>(p, stream);
+    case 64: return mma_sync ? launch_forward<T, 64>(p, stream) : launch_wgmma_forward<T, 64>(p, stream);
+    case 128: return mma_sync ? launch_forward<T, 128>(p, stream) : launch_wgmma_forward<T, 128>(p, stream);
     default: return cudaErrorInvalidValue;
   }
+}
+
+cudaError_t forward(const ForwardParams& p, cudaStream_t stream) {
+  if (forward_unsupported(p)) return cudaErrorInvalidValue;
+  return p.dtype == DType::bf16 ? forward_typed<bf16>(p, stream) : forward_typed<half>(p, stream);
 }
 
 }  // namespace tk::attention

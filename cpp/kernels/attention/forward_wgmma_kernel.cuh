@@ -1,0 +1,178 @@
+// Flash attention forward for Hopper: TMA loads, wgmma, warp specialisation.
+//
+// A block has three warpgroups. Warpgroup 0 is the producer: one thread streams Q once and
+// then K and V tiles of 128 keys through a ring of shared-memory stages with TMA, each stage
+// guarded by "full" barriers (the copy engine completes them) and an "empty" barrier (the
+// consumers release it). Warpgroups 1 and 2 are consumers, 64 query rows each:
+//   S = Q K^T                                   (wgmma, Q and K from shared memory)
+//   m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
+//   O = 2^(c m - c m') O + P V                  (wgmma, P from registers, V from shared)
+// with c = scale * log2(e); finally O /= l and lse = ln 2 (c m + log2 l). Registers move from
+// the producer (which needs few) to the consumers with setmaxnreg. Tiles outside the causal /
+// window band are never loaded; only tiles crossing its edges or the end of the keys are masked.
+#pragma once
+
+#include "../../kittens/kittens.cuh"
+#include "attention.h"
+#include "forward_kernel.cuh"  // visible_keys
+
+namespace tk::attention {
+
+using namespace kittens;
+
+template <int D>
+struct wgmma_forward_config {
+  static constexpr int CONSUMERS = 2;
+  static constexpr int THREADS = 128 * (CONSUMERS + 1);
+  static constexpr int Q_ROWS = 64 * CONSUMERS;
+  static constexpr int KV_ROWS = 128;
+  static constexpr int STAGES = D <= 64 ? 3 : 2;
+  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+};
+
+template <typename T, int D>
+struct wgmma_forward_shared {
+  using config = wgmma_forward_config<D>;
+  st<T, 64, D> q[config::CONSUMERS];
+  st<T, config::KV_ROWS, D> k[config::STAGES], v[config::STAGES];
+  tma::barrier q_full, k_full[config::STAGES], v_full[config::STAGES], kv_empty[config::STAGES];
+};
+
+struct WgmmaForwardArgs {
+  CUtensorMap q, k, v;  // boxes: 64 query rows, KV_ROWS key rows
+  ForwardParams p;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
+    wgmma_forward_kernel(const __grid_constant__ WgmmaForwardArgs args) {
+  using config = wgmma_forward_config<D>;
+  constexpr int KV = config::KV_ROWS, STAGES = config::STAGES;
+  const ForwardParams& p = args.p;
+  extern __shared__ char smem_raw[];
+  auto& s = *reinterpret_cast<wgmma_forward_shared<T, D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                                           ~uintptr_t(1023));
+
+  const int q_block = p.window_right >= 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int kv_h = h / (p.heads_q / p.heads_kv);
+  const int q0 = q_block * config::Q_ROWS;
+  const key_range keys = visible_keys(p, q0, min(q0 + config::Q_ROWS, p.seq_q) - 1);
+  const int first_tile = keys.lo / KV;
+  const int end_tile = keys.hi > keys.lo ? (keys.hi + KV - 1) / KV : first_tile;
+
+  if (threadIdx.x == 0) {
+    tma::init(s.q_full, 1);
+    for (int i = 0; i < STAGES; i++) {
+      tma::init(s.k_full[i], 1);
+      tma::init(s.v_full[i], 1);
+      tma::init(s.kv_empty[i], config::CONSUMERS * 4);  // one arrival per consumer warp
+    }
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup::groupid() == 0) {  // ---------------- producer ----------------
+    warpgroup::decrease_registers<config::PRODUCER_REGS>();
+    if (threadIdx.x == 0 && first_tile < end_tile) {
+      tma::expect_bytes(s.q_full, config::CONSUMERS * sizeof(s.q[0]));
+      for (int c = 0; c < config::CONSUMERS; c++) tma::load_async(&s.q[c], args.q, s.q_full, 0, q0 + 64 * c, 0, h, b);
+      for (int tile = first_tile, i = 0; tile < end_tile; tile++, i++) {
+        const int stage = i % STAGES;
+        if (i >= STAGES) tma::wait(s.kv_empty[stage], ((i / STAGES) - 1) & 1);
+        tma::expect_bytes(s.k_full[stage], sizeof(s.k[0]));
+        tma::load_async(&s.k[stage], args.k, s.k_full[stage], 0, tile * KV, 0, kv_h, b);
+        tma::expect_bytes(s.v_full[stage], sizeof(s.v[0]));
+        tma::load_async(&s.v[stage], args.v, s.v_full[stage], 0, tile * KV, 0, kv_h, b);
+      }
+    }
+  } else {  // ---------------- consumers ----------------
+    warpgroup::increase_registers<config::CONSUMER_REGS>();
+    const int consumer = warpgroup::groupid() - 1;
+    const int row0 = q0 + 64 * consumer + 16 * warpgroup::warp_in_group();  // this warp's first row
+    const float c = p.scale * LOG2E;
+    const int offset = p.seq_k - p.seq_q;
+
+    rt_fl<16, D> o;
+    row_vec<16> m, l;
+    zero(o);
+    map(m, [](float) { return NEG_INF; });
+    map(l, [](float) { return 0.f; });
+    if (first_tile < end_tile) tma::wait(s.q_full, 0);
+
+    for (int tile = first_tile, i = 0; tile < end_tile; tile++, i++) {
+      const int stage = i % STAGES, phase = (i / STAGES) & 1;
+      tma::wait(s.k_full[stage], phase);
+      rt_fl<16, KV> scores;
+      warpgroup::mma_ABt(scores, s.q[consumer], s.k[stage], false);
+      warpgroup::wait<0>();
+
+      const int k0 = tile * KV;
+      const bool crosses_edge = k0 + KV > p.seq_k ||
+                                (p.window_right >= 0 && k0 + KV - 1 > row0 + offset + p.window_right) ||
+                                (p.window_left >= 0 && k0 < row0 + 15 + offset - p.window_left);
+      if (crosses_edge) {
+        mask(scores, row0, k0, [&](int qi, int kj) {
+          return kj < p.seq_k && (p.window_right < 0 || kj <= qi + offset + p.window_right) &&
+                 (p.window_left < 0 || kj >= qi + offset - p.window_left);
+        });
+      }
+
+      // Online softmax (see forward_kernel.cuh for the empty-row convention).
+      row_vec<16> m_new, rescale, tile_sum;
+      row_max(m_new, scores);
+      map(m_new, m_new, m, [](float a, float b2) { return fmaxf(a, b2); });
+      map(m_new, [](float x) { return x == NEG_INF ? 0.f : x; });
+      map(rescale, m, m_new, [=](float old_m, float new_m) { return fast_exp2(c * (old_m - new_m)); });
+      map_rows(scores, m_new, [=](float x, float mx) { return fast_exp2(c * x - c * mx); });
+      row_sum(tile_sum, scores);
+      map(l, l, rescale, [](float a, float b2) { return a * b2; });
+      map(l, l, tile_sum, [](float a, float b2) { return a + b2; });
+      mul_row(o, rescale);
+      m = m_new;
+
+      rt<T, 16, KV> probs;
+      copy(probs, scores);
+      tma::wait(s.v_full[stage], phase);
+      warpgroup::mma_AB(o, probs, s.v[stage], true);
+      warpgroup::wait<0>();
+      if (laneid() == 0) tma::arrive(s.kv_empty[stage]);  // this warp is done with the stage
+    }
+
+    row_vec<16> inv_l;
+    map(inv_l, l, l, [](float x, float) { return x > 0.f ? 1.f / x : 0.f; });
+    mul_row(o, inv_l);
+    const auto O = gl<T>::contiguous((T*)p.o, p.batch, p.seq_q, p.heads_q, D);
+    store(O, o, {b, h, row0});
+    if ((laneid() & 3) == 0) {
+#pragma unroll
+      for (int half_idx = 0; half_idx < 2; half_idx++) {
+        const int row = row0 + row_vec_row(0, half_idx);
+        if (row < p.seq_q) {
+          const float lv = l.data[0][half_idx];
+          p.lse[(int64_t(b) * p.heads_q + h) * p.seq_q + row] =
+              lv > 0.f ? (c * m.data[0][half_idx] + __log2f(lv)) * LN2 : NEG_INF;
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch_wgmma_forward(const ForwardParams& p, cudaStream_t stream) {
+  using config = wgmma_forward_config<D>;
+  WgmmaForwardArgs args{};
+  args.p = p;
+  const bool bf = std::is_same_v<T, bf16>;
+  if (!tma::make_bshd_map(&args.q, p.q, bf, p.batch, p.seq_q, p.heads_q, D, 64) ||
+      !tma::make_bshd_map(&args.k, p.k, bf, p.batch, p.seq_k, p.heads_kv, D, config::KV_ROWS) ||
+      !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, config::KV_ROWS))
+    return cudaErrorInvalidValue;
+  const int smem = int(sizeof(wgmma_forward_shared<T, D>)) + 1024;
+  if (cudaError_t err = allow_dynamic_shared<wgmma_forward_kernel<T, D>>(smem); err != cudaSuccess) return err;
+  const dim3 grid((p.seq_q + config::Q_ROWS - 1) / config::Q_ROWS, p.heads_q, p.batch);
+  wgmma_forward_kernel<T, D><<<grid, config::THREADS, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace tk::attention

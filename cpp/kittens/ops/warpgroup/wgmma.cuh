@@ -1,0 +1,107 @@
+// Warpgroup matrix multiply (wgmma) on shared tiles and register tiles.
+//
+// A warpgroup (4 consecutive warps) computes a 64 x N product; warp w of the group owns rows
+// 16w..16w+15 of it, held as an rt_fl<16, N> in exactly the register order wgmma uses (see
+// register_tile.cuh), so the softmax code that works on mma.sync tiles works on these too.
+//
+// Shared operands are described by 64-bit descriptors over 128-byte-swizzled tiles:
+//   K-major (the reduction dim is contiguous, e.g. Q and K in Q K^T): 8-row groups 1024 B apart.
+//   MN-major (the output dim is contiguous, e.g. V in P V): 64-column panels `rows * 128` B
+//   apart (leading byte offset), 8-row groups 1024 B apart (stride byte offset).
+// Every call is asynchronous: fence, issue, commit here; the caller waits with wait<N>().
+#pragma once
+
+#include "../../types/register_tile.cuh"
+#include "../../types/shared_tile.cuh"
+#include "wgmma_instructions.cuh"
+
+namespace kittens::warpgroup {
+
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit_group() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Wait until at most `Pending` committed wgmma groups of this warp are in flight.
+template <int Pending>
+__device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
+}
+// Index of this thread's warpgroup, and of its warp inside the group.
+__device__ __forceinline__ int groupid() { return threadIdx.x / 128; }
+__device__ __forceinline__ int warp_in_group() { return (threadIdx.x / 32) % 4; }
+
+// Register reallocation between warpgroups (needs __launch_bounds__(threads, 1)).
+template <int Regs>
+__device__ __forceinline__ void increase_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Regs));
+}
+template <int Regs>
+__device__ __forceinline__ void decrease_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Regs));
+}
+
+namespace detail {
+constexpr uint64_t SWIZZLE_128B = 1ull << 62;
+
+__device__ __forceinline__ uint64_t descriptor(uint32_t start, uint32_t leading, uint32_t stride) {
+  return uint64_t((start & 0x3FFFF) >> 4) | (uint64_t(leading >> 4) << 16) | (uint64_t(stride >> 4) << 32) |
+         SWIZZLE_128B;
+}
+
+// Columns [16k, 16k + 16) of every row: K-major slice `k`.
+template <typename T, int R, int C>
+__device__ __forceinline__ uint64_t k_major(const st<T, R, C>& t, int k) {
+  static_assert(st<T, R, C>::swizzle_bytes == 128, "wgmma operands use the 128-byte swizzle");
+  const uint32_t col = 16 * k;
+  const uint32_t start = shared_addr(t.data) + (col / 64) * (R * 128) + (col % 64) * sizeof(T);
+  return descriptor(start, 16, 1024);
+}
+// Rows [16k, 16k + 16) with all columns: MN-major slice `k`.
+template <typename T, int R, int C>
+__device__ __forceinline__ uint64_t mn_major(const st<T, R, C>& t, int k) {
+  static_assert(st<T, R, C>::swizzle_bytes == 128, "wgmma operands use the 128-byte swizzle");
+  return descriptor(shared_addr(t.data) + 16 * k * 128, R * 128, 1024);
+}
+
+template <typename T, int N, int TransB>
+__device__ __forceinline__ void ss(float* d, uint64_t a, uint64_t b, int accumulate) {
+  constexpr bool bf = std::is_same_v<T, bf16>;
+  if constexpr (N == 64) bf ? kittens::detail::wgmma_ss_bf16_n64<TransB>(d, a, b, accumulate) : kittens::detail::wgmma_ss_f16_n64<TransB>(d, a, b, accumulate);
+  else if constexpr (N == 128) bf ? kittens::detail::wgmma_ss_bf16_n128<TransB>(d, a, b, accumulate) : kittens::detail::wgmma_ss_f16_n128<TransB>(d, a, b, accumulate);
+  else if constexpr (N == 256) bf ? kittens::detail::wgmma_ss_bf16_n256<TransB>(d, a, b, accumulate) : kittens::detail::wgmma_ss_f16_n256<TransB>(d, a, b, accumulate);
+  else static_assert(N == 64, "wgmma width must be 64, 128 or 256");
+}
+template <typename T, int N, int TransB>
+__device__ __forceinline__ void rs(float* d, const uint32_t* a, uint64_t b, int accumulate) {
+  constexpr bool bf = std::is_same_v<T, bf16>;
+  if constexpr (N == 64) bf ? kittens::detail::wgmma_rs_bf16_n64<TransB>(d, a, b, accumulate) : kittens::detail::wgmma_rs_f16_n64<TransB>(d, a, b, accumulate);
+  else if constexpr (N == 128) bf ? kittens::detail::wgmma_rs_bf16_n128<TransB>(d, a, b, accumulate) : kittens::detail::wgmma_rs_f16_n128<TransB>(d, a, b, accumulate);
+  else if constexpr (N == 256) bf ? kittens::detail::wgmma_rs_bf16_n256<TransB>(d, a, b, accumulate) : kittens::detail::wgmma_rs_f16_n256<TransB>(d, a, b, accumulate);
+  else static_assert(N == 64, "wgmma width must be 64, 128 or 256");
+}
+}  // namespace detail
+
+// acc (+)= A B^T:  A is 64 x K (shared), B is N x K (shared), both K-major.
+template <typename T, int K, int N>
+__device__ __forceinline__ void mma_ABt(rt_fl<16, N>& acc, const st<T, 64, K>& a, const st<T, N, K>& b,
+                                        bool accumulate) {
+  float* d = reinterpret_cast<float*>(&acc.tiles[0][0]);
+  fence();
+#pragma unroll
+  for (int k = 0; k < K / 16; k++)
+    detail::ss<T, N, 0>(d, detail::k_major(a, k), detail::k_major(b, k), (k > 0 || accumulate) ? 1 : 0);
+  commit_group();
+}
+
+// acc (+)= A B:  A is 64 x K in registers (this warp's 16 rows), B is K x N (shared, MN-major).
+template <typename T, int K, int N>
+__device__ __forceinline__ void mma_AB(rt_fl<16, N>& acc, const rt<T, 16, K>& a, const st<T, K, N>& b,
+                                       bool accumulate) {
+  float* d = reinterpret_cast<float*>(&acc.tiles[0][0]);
+  fence();
+#pragma unroll
+  for (int k = 0; k < K / 16; k++)
+    detail::rs<T, N, 1>(d, reinterpret_cast<const uint32_t*>(a.tiles[0][k].data), detail::mn_major(b, k),
+                        (k > 0 || accumulate) ? 1 : 0);
+  commit_group();
+}
+
+}  // namespace kittens::warpgroup

@@ -1,0 +1,88 @@
+// Test-only kernel for the warpgroup level: TMA tile loads completing on an mbarrier, then
+// wgmma with both operands in shared memory (A B^T, K-major) and with A in registers and B
+// MN-major (A C), compared with numpy by tests/test_kittens_gpu.py.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "../kittens/kittens.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using namespace kittens;
+
+namespace {
+
+struct WgmmaTestArgs {
+  CUtensorMap a, b, c;  // a [64, 64], b [64, 64], c [64, 128], all bf16
+  float* abt;           // [64, 64]  = a b^T
+  float* ac;            // [64, 128] = a c
+};
+
+struct wgmma_test_shared {
+  st<bf16, 64, 64> a, b;
+  st<bf16, 64, 128> c;
+  tma::barrier loaded;
+};
+
+__global__ void __launch_bounds__(128) wgmma_test_kernel(const __grid_constant__ WgmmaTestArgs args) {
+  extern __shared__ char smem_raw[];
+  auto& s = *reinterpret_cast<wgmma_test_shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  if (threadIdx.x == 0) {
+    tma::init(s.loaded, 1);
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    tma::expect_bytes(s.loaded, sizeof(s.a) + sizeof(s.b) + sizeof(s.c));
+    tma::load_async(&s.a, args.a, s.loaded, 0, 0, 0, 0, 0);
+    tma::load_async(&s.b, args.b, s.loaded, 0, 0, 0, 0, 0);
+    tma::load_async(&s.c, args.c, s.loaded, 0, 0, 0, 0, 0);
+  }
+  tma::wait(s.loaded, 0);
+
+  const int row0 = 16 * warpgroup::warp_in_group();
+  rt_fl<16, 64> abt;
+  warpgroup::mma_ABt(abt, s.a, s.b, false);
+  warpgroup::wait<0>();
+  store(gl<float>::contiguous(args.abt, 1, 64, 1, 64), abt, {0, 0, row0});
+
+  rt<bf16, 16, 64> a_regs;
+  load(a_regs, s.a, row0, 0);
+  rt_fl<16, 128> ac;
+  zero(ac);
+  warpgroup::mma_AB(ac, a_regs, s.c, true);
+  warpgroup::wait<0>();
+  store(gl<float>::contiguous(args.ac, 1, 64, 1, 128), ac, {0, 0, row0});
+}
+
+ffi::Error Wgmma(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::BF16> b, ffi::Buffer<ffi::BF16> c,
+                 ffi::Result<ffi::Buffer<ffi::F32>> abt, ffi::Result<ffi::Buffer<ffi::F32>> ac) {
+  if (a.element_count() != 64 * 64 || b.element_count() != 64 * 64 || c.element_count() != 64 * 128)
+    return ffi::Error::InvalidArgument("a, b must be [64, 64], c [64, 128]");
+  WgmmaTestArgs args{};
+  if (!tma::make_bshd_map(&args.a, a.untyped_data(), true, 1, 64, 1, 64, 64) ||
+      !tma::make_bshd_map(&args.b, b.untyped_data(), true, 1, 64, 1, 64, 64) ||
+      !tma::make_bshd_map(&args.c, c.untyped_data(), true, 1, 64, 1, 128, 64))
+    return ffi::Error::Internal("tk_test_wgmma: tensor map encoding failed");
+  args.abt = abt->typed_data();
+  args.ac = ac->typed_data();
+  const int smem = int(sizeof(wgmma_test_shared)) + 1024;
+  if (cudaError_t err = allow_dynamic_shared<wgmma_test_kernel>(smem); err != cudaSuccess)
+    return ffi::Error::Internal(cudaGetErrorString(err));
+  wgmma_test_kernel<<<1, 128, smem, stream>>>(args);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("tk_test_wgmma: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_wgmma, Wgmma,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
