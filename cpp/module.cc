@@ -6,6 +6,7 @@
 namespace nb = nanobind;
 
 extern "C" XLA_FFI_Error* tk_attention_fwd(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* tk_attention_bwd(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 template <typename Fn>
@@ -19,6 +20,7 @@ NB_MODULE(_tk, m) {
   m.def("registrations", []() {
     nb::dict targets;
     targets["tk_attention_fwd"] = handler_capsule(tk_attention_fwd);
+    targets["tk_attention_bwd"] = handler_capsule(tk_attention_bwd);
     return targets;
   });
   m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);

@@ -19,14 +19,14 @@ def regs(first: int, count: int) -> str:
 def smem_smem(ptx_type: str, n: int) -> str:
     acc = n // 2
     return f"""
-// d[64 x {n}] (+)= A[64 x 16] (shared, K-major) * B[16 x {n}] (shared; trans_b: 0 K-major, 1 MN-major)
-template <int TransB>
+// d[64 x {n}] (+)= A[64 x 16] * B[16 x {n}], both in shared memory (trans: 0 K-major, 1 MN-major)
+template <int TransA, int TransB>
 __device__ __forceinline__ void wgmma_ss_{ptx_type}_n{n}(float* d, uint64_t desc_a, uint64_t desc_b, int accumulate) {{
   asm volatile(
       "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} {{{regs(0, acc)}}}, %{acc}, %{acc + 1}, p, 1, 1, 0, %{acc + 3};\\n}}\\n"
+      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} {{{regs(0, acc)}}}, %{acc}, %{acc + 1}, p, 1, 1, %{acc + 3}, %{acc + 4};\\n}}\\n"
       : {operands(acc)}
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TransB));
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TransA), "n"(TransB));
 }}
 """
 

@@ -29,7 +29,16 @@ echo "build: $(($(date +%s) - start)) s"
 python3 -m pytest -m gpu -q -p no:cacheprovider "$@" ${TK_GPU_TESTS:-tests} 2>&1 | tee "$LOG/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 
-python3 -m tk_jax.bench ${TK_BENCH_ARGS:-attention --quick} --out "$LOG" 2>&1 | tee "$LOG/bench.log"
+if [ "${TK_SANITIZE:-0}" = 1 ]; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 3 python3 scripts/sanitize_case.py >"$LOG/sanitize-$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $? ($(grep -c "ERROR SUMMARY: 0 errors" "$LOG/sanitize-$tool.log") clean summaries)"
+  done
+fi
+
+if [ "${TK_BENCH_ARGS:-}" != none ]; then
+  python3 -m tk_jax.bench ${TK_BENCH_ARGS:-attention --quick} --out "$LOG" 2>&1 | tee "$LOG/bench.log"
+fi
 
 echo "gpu tests exit code: $tests_rc"
 exit "$tests_rc"

@@ -35,3 +35,33 @@ def attention_fwd(q, k, v, *, scale: float, window_left: int, window_right: int,
     call = jax.ffi.ffi_call("tk_attention_fwd", out_types, vmap_method="broadcast_all")
     return call(q, k, v, scale=np.float32(scale), window_left=np.int64(window_left),
                 window_right=np.int64(window_right), variant=np.int64(ATTENTION_VARIANTS[variant]))
+
+
+BACKWARD_Q_TILE = 64  # lse and delta rows are padded to this many queries (cpp: BACKWARD_Q_TILE)
+
+
+def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: int, window_right: int):
+    """(dq, dk, dv) from the backward kernel, in the dtypes of q, k, v.
+
+    Rank-4 [B, T, H, D] inputs, lse [B, Hq, Tq] (natural log, -inf for rows that saw no key),
+    dlse an optional cotangent of lse. The row statistics the kernel reads per query tile are
+    prepared here in one fused XLA pass: delta = rowsum(do * o) - dlse, and lse with -inf
+    replaced by +inf (so those rows get P = 0), both padded to a multiple of 64 queries.
+    """
+    seq_q = q.shape[1]
+    pad = (-seq_q) % BACKWARD_Q_TILE
+    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
+    if dlse is not None:
+        delta = delta - dlse
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, pad)), constant_values=jnp.inf)
+    delta = jnp.pad(delta, ((0, 0), (0, 0), (0, pad)))
+    out_types = (
+        jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+    )
+    call = jax.ffi.ffi_call("tk_attention_bwd", out_types, vmap_method="broadcast_all")
+    dq, dk, dv = call(q, k, v, do.astype(q.dtype), lse, delta, scale=np.float32(scale),
+                      window_left=np.int64(window_left), window_right=np.int64(window_right))
+    return dq.astype(q.dtype), dk, dv

@@ -69,7 +69,98 @@ ffi::Error AttentionForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+ffi::Error invalid_bwd(const std::string& msg) {
+  return ffi::Error::InvalidArgument("tk_attention_bwd: " + msg);
+}
+
+bool same_dims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); i++)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
+ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                             ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                             ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, ffi::Result<ffi::AnyBuffer> dk,
+                             ffi::Result<ffi::AnyBuffer> dv, float scale, int64_t window_left,
+                             int64_t window_right) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() < 4 || kd.size() != qd.size()) return invalid_bwd("q and k must have the same rank >= 4");
+  const size_t r = qd.size();
+  const auto dtype = q.element_type();
+  if (dtype != ffi::BF16 && dtype != ffi::F16) return invalid_bwd("q must be bf16 or fp16");
+  for (const ffi::AnyBuffer* x : {&k, &v, &dout})
+    if (x->element_type() != dtype) return invalid_bwd("q, k, v and dout must share one dtype");
+  if (dk->element_type() != dtype || dv->element_type() != dtype) return invalid_bwd("dk and dv take q's dtype");
+  if (!same_dims(v.dimensions(), kd) || !same_dims(dk->dimensions(), kd) || !same_dims(dv->dimensions(), kd))
+    return invalid_bwd("k, v, dk and dv must share one shape");
+  if (!same_dims(dout.dimensions(), qd) || !same_dims(dq_accum->dimensions(), qd))
+    return invalid_bwd("q, dout and dq_accum must share one shape");
+  for (size_t i = 0; i + 3 < r; i++)
+    if (kd[i] != qd[i]) return invalid_bwd("q and k batch dimensions differ");
+  if (kd[r - 1] != qd[r - 1]) return invalid_bwd("q and k head_dim differ");
+  const int64_t seq_q = qd[r - 3], padded = (seq_q + tk::attention::BACKWARD_Q_TILE - 1) /
+                                               tk::attention::BACKWARD_Q_TILE * tk::attention::BACKWARD_Q_TILE;
+  for (const auto* x : {&lse, &delta}) {
+    const auto d = x->dimensions();
+    if (d.size() != r - 1 || d[r - 3] != qd[r - 2] || d[r - 2] != padded)
+      return invalid_bwd("lse and delta must be [..., heads_q, seq_q rounded up to 64]");
+    for (size_t i = 0; i + 3 < r; i++)
+      if (d[i] != qd[i]) return invalid_bwd("lse and delta batch dimensions differ from q's");
+  }
+  const int64_t batch = leading_product(qd, 3);
+  if (batch > INT32_MAX || seq_q > INT32_MAX || kd[r - 3] > INT32_MAX) return invalid_bwd("dimensions too large");
+  if (window_left < -1 || window_right < -1 || window_left > INT32_MAX || window_right > INT32_MAX)
+    return invalid_bwd("window bounds must be in [-1, 2^31)");
+
+  tk::attention::BackwardParams p{};
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.dout = dout.untyped_data();
+  p.lse = lse.typed_data();
+  p.delta = delta.typed_data();
+  p.dq_accum = dq_accum->typed_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  p.batch = int(batch);
+  p.seq_q = int(seq_q);
+  p.seq_k = int(kd[r - 3]);
+  p.heads_q = int(qd[r - 2]);
+  p.heads_kv = int(kd[r - 2]);
+  p.head_dim = int(qd[r - 1]);
+  p.seq_q_padded = int(padded);
+  p.scale = scale;
+  p.window_left = int(window_left);
+  p.window_right = int(window_right);
+  p.dtype = dtype == ffi::BF16 ? tk::attention::DType::bf16 : tk::attention::DType::fp16;
+  if (const char* why = tk::attention::backward_unsupported(p)) return invalid_bwd(why);
+
+  const cudaError_t err = tk::attention::backward(p, stream);
+  if (err != cudaSuccess)
+    return ffi::Error::Internal(std::string("tk_attention_bwd launch: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_bwd, AttentionBackward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()            // q
+                                  .Arg<ffi::AnyBuffer>()            // k
+                                  .Arg<ffi::AnyBuffer>()            // v
+                                  .Arg<ffi::AnyBuffer>()            // dout
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // lse (padded, +inf for empty rows)
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // delta (padded)
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // dq (fp32 accumulator)
+                                  .Ret<ffi::AnyBuffer>()            // dk
+                                  .Ret<ffi::AnyBuffer>()            // dv
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_fwd, AttentionForward,
                               ffi::Ffi::Bind()

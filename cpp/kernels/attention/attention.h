@@ -33,4 +33,29 @@ const char* forward_unsupported(const ForwardParams& p);
 // Launches on `stream` only; never synchronises. Returns the launch status.
 cudaError_t forward(const ForwardParams& p, cudaStream_t stream);
 
+struct BackwardParams {
+  const void* q;      // [batch, seq_q, heads_q, head_dim]
+  const void* k;      // [batch, seq_k, heads_kv, head_dim]
+  const void* v;      // [batch, seq_k, heads_kv, head_dim]
+  const void* dout;   // [batch, seq_q, heads_q, head_dim], gradient of the output
+  const float* lse;   // [batch, heads_q, seq_q_padded]; +inf marks rows that saw no key and padding
+  const float* delta; // [batch, heads_q, seq_q_padded]: rowsum(dout * o) - dlse, 0 on padding
+  float* dq_accum;    // [batch, seq_q, heads_q, head_dim] float32, zeroed and accumulated here
+  void* dk;           // [batch, seq_k, heads_kv, head_dim], k's dtype (summed over the GQA group)
+  void* dv;           // [batch, seq_k, heads_kv, head_dim]
+  int batch, seq_q, seq_k, heads_q, heads_kv, head_dim;
+  int seq_q_padded;   // seq_q rounded up to a multiple of BACKWARD_Q_TILE
+  float scale;
+  int window_left, window_right;  // as in ForwardParams
+  DType dtype;
+};
+
+// lse and delta rows are padded to a multiple of this many queries.
+constexpr int BACKWARD_Q_TILE = 64;
+
+const char* backward_unsupported(const BackwardParams& p);
+
+// dq_accum is zeroed on `stream` first; the launches never synchronise.
+cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
+
 }  // namespace tk::attention

@@ -53,6 +53,20 @@ __device__ __forceinline__ void add(rt_fl<R, C>& dst, const rt_fl<R, C>& a) {
       }
 }
 
+// Element-wise product dst *= a.
+template <int R, int C>
+__device__ __forceinline__ void mul(rt_fl<R, C>& dst, const rt_fl<R, C>& a) {
+#pragma unroll
+  for (int i = 0; i < dst.height; i++)
+#pragma unroll
+    for (int j = 0; j < dst.width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        dst.tiles[i][j].data[k].x *= a.tiles[i][j].data[k].x;
+        dst.tiles[i][j].data[k].y *= a.tiles[i][j].data[k].y;
+      }
+}
+
 // Element type conversion between row-layout tiles (e.g. fp32 scores -> bf16 probabilities,
 // which are then directly the A operand of the next mma).
 template <typename U, typename V, int R, int C>
@@ -130,6 +144,26 @@ __device__ __forceinline__ void sub_row(rt_fl<R, C>& t, const row_vec<R>& v) {
 template <int R, int C>
 __device__ __forceinline__ void div_row(rt_fl<R, C>& t, const row_vec<R>& v) {
   map_rows(t, v, [](float x, float r) { return x / r; });
+}
+
+// Column broadcasts from a vector in shared (or global) memory: t[r][c] = f(t[r][c], v[col0 + c]).
+template <int R, int C, typename F>
+__device__ __forceinline__ void map_cols(rt_fl<R, C>& t, const float* v, F&& f) {
+#pragma unroll
+  for (int j = 0; j < t.width; j++)
+#pragma unroll
+    for (int half_cols = 0; half_cols < 2; half_cols++) {  // columns 2c, 2c+1 then 2c+8, 2c+9
+      const int col = 16 * j + fragment_col(2 * half_cols, 0);
+      const float v0 = v[col], v1 = v[col + 1];
+#pragma unroll
+      for (int i = 0; i < t.height; i++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+          float2& p = t.tiles[i][j].data[2 * half_cols + r];
+          p.x = f(p.x, v0);
+          p.y = f(p.y, v1);
+        }
+    }
 }
 
 // Row-vector maps: v[r] = f(v[r]) or f(a[r], b[r]).

@@ -96,4 +96,25 @@ __device__ __forceinline__ void store(const gl<T>& dst, const rt<U, R, C, layout
       }
 }
 
+// Atomically add a float register tile (row layout) into a float global tensor: tile row r is
+// sequence position coord.row0 + r; rows past dst.seq are skipped. Pairs go as one
+// vector reduction (red.global.add.v2.f32, sm_90).
+template <int R, int C>
+__device__ __forceinline__ void atomic_add(const gl<float>& dst, const rt_fl<R, C>& src, tile_coord coord,
+                                           int col0 = 0) {
+#pragma unroll
+  for (int i = 0; i < src.height; i++)
+#pragma unroll
+    for (int j = 0; j < src.width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const int r = coord.row0 + 16 * i + fragment_row(k);
+        if (r < dst.seq) {
+          const float2 v = src.tiles[i][j].data[k];
+          float* p = dst.row(coord.b, r, coord.h) + col0 + 16 * j + fragment_col(k, 0);
+          asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(v.x), "f"(v.y) : "memory");
+        }
+      }
+}
+
 }  // namespace kittens

@@ -54,19 +54,20 @@ __device__ __forceinline__ uint64_t k_major(const st<T, R, C>& t, int k) {
   const uint32_t start = shared_addr(t.data) + (col / 64) * (R * 128) + (col % 64) * sizeof(T);
   return descriptor(start, 16, 1024);
 }
-// Rows [16k, 16k + 16) with all columns: MN-major slice `k`.
+// Rows [16k, 16k + 16), columns from `col0` (a multiple of 64) on: MN-major slice `k`.
 template <typename T, int R, int C>
-__device__ __forceinline__ uint64_t mn_major(const st<T, R, C>& t, int k) {
+__device__ __forceinline__ uint64_t mn_major(const st<T, R, C>& t, int k, int col0 = 0) {
   static_assert(st<T, R, C>::swizzle_bytes == 128, "wgmma operands use the 128-byte swizzle");
-  return descriptor(shared_addr(t.data) + 16 * k * 128, R * 128, 1024);
+  return descriptor(shared_addr(t.data) + (col0 / 64) * (R * 128) + 16 * k * 128, R * 128, 1024);
 }
 
-template <typename T, int N, int TransB>
+template <typename T, int N, int TransA, int TransB>
 __device__ __forceinline__ void ss(float* d, uint64_t a, uint64_t b, int accumulate) {
+  using namespace kittens::detail;
   constexpr bool bf = std::is_same_v<T, bf16>;
-  if constexpr (N == 64) bf ? kittens::detail::wgmma_ss_bf16_n64<TransB>(d, a, b, accumulate) : kittens::detail::wgmma_ss_f16_n64<TransB>(d, a, b, accumulate);
-  else if constexpr (N == 128) bf ? kittens::detail::wgmma_ss_bf16_n128<TransB>(d, a, b, accumulate) : kittens::detail::wgmma_ss_f16_n128<TransB>(d, a, b, accumulate);
-  else if constexpr (N == 256) bf ? kittens::detail::wgmma_ss_bf16_n256<TransB>(d, a, b, accumulate) : kittens::detail::wgmma_ss_f16_n256<TransB>(d, a, b, accumulate);
+  if constexpr (N == 64) bf ? wgmma_ss_bf16_n64<TransA, TransB>(d, a, b, accumulate) : wgmma_ss_f16_n64<TransA, TransB>(d, a, b, accumulate);
+  else if constexpr (N == 128) bf ? wgmma_ss_bf16_n128<TransA, TransB>(d, a, b, accumulate) : wgmma_ss_f16_n128<TransA, TransB>(d, a, b, accumulate);
+  else if constexpr (N == 256) bf ? wgmma_ss_bf16_n256<TransA, TransB>(d, a, b, accumulate) : wgmma_ss_f16_n256<TransA, TransB>(d, a, b, accumulate);
   else static_assert(N == 64, "wgmma width must be 64, 128 or 256");
 }
 template <typename T, int N, int TransB>
@@ -87,8 +88,30 @@ __device__ __forceinline__ void mma_ABt(rt_fl<16, N>& acc, const st<T, 64, K>& a
   fence();
 #pragma unroll
   for (int k = 0; k < K / 16; k++)
-    detail::ss<T, N, 0>(d, detail::k_major(a, k), detail::k_major(b, k), (k > 0 || accumulate) ? 1 : 0);
+    detail::ss<T, N, 0, 0>(d, detail::k_major(a, k), detail::k_major(b, k), (k > 0 || accumulate) ? 1 : 0);
   commit_group();
+}
+
+// acc (+)= A^T B[:, b_col0 : b_col0 + N]:  A is stored K x 64 and B is K x BC (shared, both
+// MN-major), e.g. the gradient dQ = dS K computed from dS^T held row by row of keys.
+template <typename T, int K, int N, int BC>
+__device__ __forceinline__ void mma_AtB(rt_fl<16, N>& acc, const st<T, K, 64>& a, const st<T, K, BC>& b,
+                                        int b_col0, bool accumulate) {
+  float* d = reinterpret_cast<float*>(&acc.tiles[0][0]);
+  fence();
+#pragma unroll
+  for (int k = 0; k < K / 16; k++)
+    detail::ss<T, N, 1, 1>(d, detail::mn_major(a, k), detail::mn_major(b, k, b_col0),
+                           (k > 0 || accumulate) ? 1 : 0);
+  commit_group();
+}
+
+// Synchronise the 128 threads of this warpgroup on named barrier `id` (1..15; 0 is
+// __syncthreads).
+__device__ __forceinline__ void sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
+// Make ordinary shared-memory stores visible to wgmma and TMA (the async proxy).
+__device__ __forceinline__ void fence_shared_to_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // acc (+)= A B:  A is 64 x K in registers (this warp's 16 rows), B is K x N (shared, MN-major).
