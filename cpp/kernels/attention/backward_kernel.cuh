@@ -6,7 +6,8 @@
 //   S^T  = K Q^T                       P^T = 2^(c S^T - log2(e) lse)       (lse per column)
 //   dV  += P^T dO                      dP^T = V dO^T
 //   dS^T = scale * P^T o (dP^T - delta)                                    (delta per column)
-//   dK  += dS^T Q                      dQ  += dS K   (dS^T staged in shared memory, fp32 atomics)
+//   dK  += dS^T Q                      dQ  += dS K   (dS^T of all 128 keys staged in shared
+//                                                    memory; one fp32 atomic add per element)
 // The producer warpgroup streams Q, dO, lse and delta tiles through a ring of stages.
 #pragma once
 
@@ -32,7 +33,7 @@ struct backward_shared {
   using config = backward_config<D>;
   st<T, 64, D> k[config::CONSUMERS], v[config::CONSUMERS];
   st<T, config::Q_ROWS, D> q[config::STAGES], dout[config::STAGES];
-  st<T, 64, config::Q_ROWS> ds[config::CONSUMERS];  // dS^T of each consumer: keys x queries
+  st<T, 64, config::Q_ROWS> ds[2][config::CONSUMERS];  // dS^T per step parity and consumer: keys x queries
   alignas(16) float lse[config::STAGES][config::Q_ROWS];
   alignas(16) float delta[config::STAGES][config::Q_ROWS];
   tma::barrier kv_full, q_full[config::STAGES], q_empty[config::STAGES];
@@ -145,17 +146,24 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       copy(ds_16, dprobs);
       warpgroup::mma_AB(dk, ds_16, s.q[stage], true);  // dK += dS^T Q
 
-      warpgroup::sync(1 + consumer);  // the previous step's dQ product is done with s.ds
-      store(s.ds[consumer], ds_16, 16 * warp, 0);
+      // dQ += dS K over all 128 keys of the block, so each dQ element gets one atomic add per
+      // block: both consumers publish dS^T, then each takes 64-column chunks of dQ in turn.
+      // dS^T is double-buffered by step parity: a buffer is rewritten two steps later, when
+      // both consumers have passed the barrier after their last product that read it.
+      const int buf = i & 1;
+      store(s.ds[buf][consumer], ds_16, 16 * warp, 0);
       warpgroup::fence_shared_to_async();
-      warpgroup::sync(1 + consumer);
+      named_barrier_sync(1, 128 * config::CONSUMERS);
 #pragma unroll
-      for (int col0 = 0; col0 < D; col0 += 64) {  // dQ += dS K, 64 columns at a time
+      for (int chunk = consumer; chunk < D / 64; chunk += config::CONSUMERS) {
         rt_fl<16, 64> dq;
-        warpgroup::mma_AtB(dq, s.ds[consumer], s.k[consumer], col0, false);
+#pragma unroll
+        for (int half = 0; half < config::CONSUMERS; half++)
+          warpgroup::mma_AtB(dq, s.ds[buf][half], s.k[half], 64 * chunk, half > 0);
         warpgroup::wait<0>();
-        atomic_add(dq_accum, dq, {b, h, q0 + 16 * warp}, col0);
+        atomic_add(dq_accum, dq, {b, h, q0 + 16 * warp}, 64 * chunk);
       }
+      warpgroup::wait<0>();  // dK's product has read this stage's Q
       if (laneid() == 0) tma::arrive(s.q_empty[stage]);
     }
 

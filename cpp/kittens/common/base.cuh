@@ -58,6 +58,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// Synchronise `threads` threads (a multiple of 32) on named barrier `id` (1..15; 0 is
+// __syncthreads), e.g. the consumer warpgroups of a warp-specialised block.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ uint32_t shared_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -106,9 +106,6 @@ __device__ __forceinline__ void mma_AtB(rt_fl<16, N>& acc, const st<T, K, 64>& a
   commit_group();
 }
 
-// Synchronise the 128 threads of this warpgroup on named barrier `id` (1..15; 0 is
-// __syncthreads).
-__device__ __forceinline__ void sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 // Make ordinary shared-memory stores visible to wgmma and TMA (the async proxy).
 __device__ __forceinline__ void fence_shared_to_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
