@@ -1,0 +1,228 @@
+"""Public Based linear attention: input checks, backend choice and the custom_vjp.
+
+    y = based_linear_attention(q, k, v)                                  # causal, normalised
+    y, (S, z) = based_linear_attention(q, k, v, return_state=True)       # prefill
+    y_t, (S, z) = based_decode_step(q_t, k_t, v_t, (S, z))               # then one token at a time
+
+The math is documented in tk_jax/reference/based.py. Compiled Based kernels are not built yet:
+`based_fwd_impl` / `based_bwd_impl` below are where they plug in; until then every call runs
+the pure-JAX reference (backend="kernel" raises a ValueError saying why).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tk_jax._backend import select_backend
+from tk_jax._checks import check_array, check_same
+from tk_jax.reference import based as reference
+
+FEATURE_DIM = reference.FEATURE_DIM      # 16: the q/k feature dim of Based
+NUM_FEATURES = reference.NUM_FEATURES    # 273: 1 + 16 + 16*16 Taylor features
+
+
+class BasedState(NamedTuple):
+    """Recurrent state: S = sum_j phi(k_j) v_j^T [..., H, 273, Dv], z = sum_j phi(k_j) [..., H, 273]
+    (float32). A plain (S, z) tuple is accepted wherever a state is."""
+    S: jax.Array
+    z: jax.Array
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch point for the compiled kernels. Inputs here are already checked and rank-4:
+# q, k [B, T, H, 16], v [B, T, H, Dv], initial_state None or (S0 [B,H,273,Dv], z0 [B,H,273]).
+# ---------------------------------------------------------------------------------------------
+
+def _based_kernel_unsupported(q, k, v, *, normalize, initial_state) -> str | None:
+    """Why the kernel cannot run these inputs (a sentence), or None when it can.
+
+    When the kernel lands, return None for the shapes/dtypes/options it handles."""
+    return "Based kernels are not built yet"
+
+
+def based_fwd_impl(q, k, v, initial_state, *, normalize, eps, backend):
+    """Forward. Returns ((y, (S, z)), residuals for based_bwd_impl)."""
+    if backend == "kernel":
+        # Plug the kernel in here, e.g. y, S, z = _kernels.based_fwd(q, k, v, ...).
+        raise NotImplementedError("Based kernels are not built yet")
+    outputs = reference.based_forward(q, k, v, normalize=normalize, eps=eps,
+                                      initial_state=initial_state)
+    # The reference backward recomputes the forward from the inputs: only the inputs are kept
+    # between the passes, not the per-chunk intermediates (memory stays low in deep models).
+    return outputs, (q, k, v, initial_state)
+
+
+def based_bwd_impl(residuals, cotangents, *, normalize, eps, backend):
+    """Backward. cotangents = (dy, (dS, dz)); returns (dq, dk, dv, d_initial_state)."""
+    if backend == "kernel":
+        # Plug the kernel in here.
+        raise NotImplementedError("Based kernels are not built yet")
+    q, k, v, initial_state = residuals
+
+    def forward(q, k, v, initial_state):
+        return reference.based_forward(q, k, v, normalize=normalize, eps=eps,
+                                       initial_state=initial_state)
+
+    _, vjp = jax.vjp(forward, q, k, v, initial_state)
+    return vjp(cotangents)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _based(q, k, v, initial_state, normalize, eps, backend):
+    outputs, _ = based_fwd_impl(q, k, v, initial_state, normalize=normalize, eps=eps,
+                                backend=backend)
+    return outputs
+
+
+def _based_fwd(q, k, v, initial_state, normalize, eps, backend):
+    return based_fwd_impl(q, k, v, initial_state, normalize=normalize, eps=eps, backend=backend)
+
+
+def _based_bwd(normalize, eps, backend, residuals, cotangents):
+    return based_bwd_impl(residuals, cotangents, normalize=normalize, eps=eps, backend=backend)
+
+
+_based.defvjp(_based_fwd, _based_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------------
+
+def _check_flag(value, name: str, op: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def _check_eps(eps, op: str) -> float:
+    """eps is static (a Python number): it is baked into the compiled computation."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{op}: eps must be a Python number (finite, >= 0), got {eps!r}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
+    return eps
+
+
+def _check_feature_dim(x, name: str, op: str) -> None:
+    if x.shape[-1] != FEATURE_DIM:
+        raise ValueError(
+            f"{op}: {name} must have feature dim (last axis) {FEATURE_DIM}, got shape "
+            f"{tuple(x.shape)}; project queries and keys to {FEATURE_DIM} features first")
+
+
+def _check_state(state, name: str, *, batch_heads: tuple, value_dim: int, op: str):
+    """state is (S [*batch_heads, 273, Dv] f32, z [*batch_heads, 273] f32); returns a tuple."""
+    if not isinstance(state, (tuple, list)) or len(state) != 2:
+        raise TypeError(f"{op}: {name} must be a pair (S, z) of arrays, got {type(state).__name__}")
+    s, z = state
+    expected = {f"{name}[0] (S)": (s, batch_heads + (NUM_FEATURES, value_dim)),
+                f"{name}[1] (z)": (z, batch_heads + (NUM_FEATURES,))}
+    for label, (x, shape) in expected.items():
+        check_array(x, label, min_ndim=len(shape), dtypes=(jnp.float32,), op=op)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{op}: {label} must have shape {shape}, got {tuple(x.shape)}")
+    return s, z
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+
+def based_linear_attention(q, k, v, *, normalize=True, eps=1e-6, initial_state=None,
+                           return_state=False, backend="auto"):
+    """Causal Based linear attention (Taylor feature map, feature dim 16).
+
+    Args:
+      q, k: [..., T, H, 16] bf16, fp16 or float32 (at least one leading batch dim; extra
+        leading dims are folded into the batch).
+      v: [..., T, H, Dv], same dtype and leading dims as q.
+      normalize: divide by the normaliser sum_j phi(q_t).phi(k_j) (+ eps).
+      eps: finite Python number >= 0 added to the normaliser.
+      initial_state: None or (S0 [..., H, 273, Dv] f32, z0 [..., H, 273] f32), e.g. the state
+        returned by an earlier call on the preceding tokens.
+      return_state: also return the state after the last token.
+      backend: "auto" | "kernel" | "reference".
+
+    Returns:
+      y [..., T, H, Dv] in v's dtype; with return_state, (y, BasedState(S, z)).
+
+    Differentiable in q, k, v and initial_state in reverse mode (grad, vjp); a custom_vjp
+    has no forward mode, so jax.jvp raises.
+    """
+    op = "based_linear_attention"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_array(x, name, min_ndim=4, op=op)
+    check_same({"q": q.ndim, "k": k.ndim, "v": v.ndim}, "ranks", op)
+    _check_feature_dim(q, "q", op)
+    _check_feature_dim(k, "k", op)
+    check_same({"q": tuple(q.shape[:-1]), "k": tuple(k.shape[:-1]), "v": tuple(v.shape[:-1])},
+               "shapes [..., T, H] (all but the last axis)", op)
+    check_same({"q": q.dtype, "k": k.dtype, "v": v.dtype}, "dtypes", op)
+    normalize = _check_flag(normalize, "normalize", op)
+    return_state = _check_flag(return_state, "return_state", op)
+    eps = _check_eps(eps, op)
+
+    batch_shape = tuple(q.shape[:-3])
+    seq_len, heads = q.shape[-3], q.shape[-2]
+    value_dim = v.shape[-1]
+    if initial_state is not None:
+        initial_state = _check_state(initial_state, "initial_state",
+                                     batch_heads=batch_shape + (heads,), value_dim=value_dim,
+                                     op=op)
+
+    # Fold leading batch dims into one: the implementations see rank-4 inputs.
+    batch = math.prod(batch_shape)
+    q4 = q.reshape(batch, seq_len, heads, FEATURE_DIM)
+    k4 = k.reshape(batch, seq_len, heads, FEATURE_DIM)
+    v4 = v.reshape(batch, seq_len, heads, value_dim)
+    if initial_state is not None:
+        initial_state = (initial_state[0].reshape(batch, heads, NUM_FEATURES, value_dim),
+                         initial_state[1].reshape(batch, heads, NUM_FEATURES))
+
+    which = select_backend(
+        backend, op=op,
+        unsupported=_based_kernel_unsupported(q4, k4, v4, normalize=normalize,
+                                              initial_state=initial_state))
+    y, (s, z) = _based(q4, k4, v4, initial_state, normalize, eps, which)
+
+    y = y.reshape(batch_shape + (seq_len, heads, value_dim))
+    if not return_state:
+        return y
+    state = BasedState(s.reshape(batch_shape + (heads, NUM_FEATURES, value_dim)),
+                       z.reshape(batch_shape + (heads, NUM_FEATURES)))
+    return y, state
+
+
+def based_decode_step(q_t, k_t, v_t, state, *, normalize=True, eps=1e-6):
+    """One generation step of Based attention (plain JAX: jit, vmap and grad work as usual).
+
+    Args:
+      q_t, k_t: [..., H, 16] (the new token's query and key), v_t: [..., H, Dv]; same dtype.
+      state: (S [..., H, 273, Dv] f32, z [..., H, 273] f32), e.g. from
+        based_linear_attention(..., return_state=True) or an earlier decode step.
+    Returns:
+      (y_t [..., H, Dv] in v_t's dtype, BasedState(S', z')) where the new token is included.
+    """
+    op = "based_decode_step"
+    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        check_array(x, name, min_ndim=2, op=op)
+    check_same({"q_t": q_t.ndim, "k_t": k_t.ndim, "v_t": v_t.ndim}, "ranks", op)
+    _check_feature_dim(q_t, "q_t", op)
+    _check_feature_dim(k_t, "k_t", op)
+    check_same({"q_t": tuple(q_t.shape[:-1]), "k_t": tuple(k_t.shape[:-1]),
+                "v_t": tuple(v_t.shape[:-1])}, "shapes [..., H] (all but the last axis)", op)
+    check_same({"q_t": q_t.dtype, "k_t": k_t.dtype, "v_t": v_t.dtype}, "dtypes", op)
+    normalize = _check_flag(normalize, "normalize", op)
+    eps = _check_eps(eps, op)
+    state = _check_state(state, "state", batch_heads=tuple(q_t.shape[:-1]),
+                         value_dim=v_t.shape[-1], op=op)
+    y, (s, z) = reference.based_decode_step_reference(q_t, k_t, v_t, state,
+                                                      normalize=normalize, eps=eps)
+    return y, BasedState(s, z)
