@@ -20,7 +20,7 @@ import tk_jax
 import tk_jax._backend
 from tk_jax._backend import kernel_unavailable_reason
 from tk_jax.attention import flash_attention
-from tk_jax.reference.attention import attention_forward
+from tk_jax.reference.attention import attention_backward, attention_forward
 
 try:  # tests/ as a package, or tests/ on sys.path (pytest's default rootdir-less import)
     from tests.naive import naive_attention, naive_attention_grads, relative_l2, visible_mask
@@ -302,8 +302,8 @@ def test_kernel_backend_unavailable_on_cpu():
 
 
 def test_auto_dispatches_to_kernel_when_available(monkeypatch):
-    """With the kernels (pretend) available, "auto" calls tk_jax._kernels.attention_fwd with
-    rank-4 inputs and the resolved scale and window; the backward still works."""
+    """With the kernels (pretend) available, "auto" calls tk_jax._kernels.attention_fwd and
+    attention_bwd with rank-4 inputs and the resolved scale and window."""
     calls = []
 
     def attention_fwd(q, k, v, *, scale, window_left, window_right):
@@ -311,8 +311,15 @@ def test_auto_dispatches_to_kernel_when_available(monkeypatch):
         return attention_forward(q, k, v, scale=scale, window_left=window_left,
                                  window_right=window_right)
 
+    def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale, window_left, window_right):
+        calls.append(("bwd", q.shape, scale, window_left, window_right))
+        grads = attention_backward(q, k, v, o, lse, do, scale=scale, window_left=window_left,
+                                   window_right=window_right, dlse=dlse)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
     module = types.ModuleType("tk_jax._kernels")
     module.attention_fwd = attention_fwd
+    module.attention_bwd = attention_bwd
     module.attention_kernel_unsupported = lambda q, k, v: None
     monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
     monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)
@@ -325,6 +332,7 @@ def test_auto_dispatches_to_kernel_when_available(monkeypatch):
         functools.partial(flash_attention, causal=True, window_size=(2, 5), softmax_scale=0.3),
         q, k, v, do)
     assert calls and calls[0] == ((6, 5, 2, 16), (6, 7, 2, 16), 0.3, 2, 0)
+    assert ("bwd", (6, 5, 2, 16), 0.3, 2, 0) in calls
     flat = [x.reshape((6,) + x.shape[2:]) for x in (q, k, v, do)]
     assert_close(o.reshape((6,) + o.shape[2:]), naive_attention(*flat[:3], 0.3, 2, 0)[0], "o", seed)
     for grad_name, grad, ref in zip("qkv", grads, naive_attention_grads(*flat, 0.3, 2, 0)):

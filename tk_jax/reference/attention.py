@@ -141,9 +141,10 @@ def attention_forward(q, k, v, *, scale: float, window_left: int, window_right: 
         acc = acc * rescale[..., None] + _einsum("bhgqk,bhkd->bhgqd", p, v_blk)
         return (m_new, l, acc), None
 
-    init = (jnp.full((b, hkv, g, tq), -jnp.inf, jnp.float32),
-            jnp.zeros((b, hkv, g, tq), jnp.float32),
-            jnp.zeros((b, hkv, g, tq, dv), jnp.float32))
+    # Built from qg (zeros_like) so that inside shard_map the carry has qg's device-varying
+    # type, as scan requires of a carry that the loop body makes varying.
+    row = jnp.zeros_like(qg[..., 0], jnp.float32)
+    init = (jnp.full_like(row, -jnp.inf), row, jnp.zeros_like(qg, jnp.float32, shape=(b, hkv, g, tq, dv)))
     blocks = (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks)
     # Under jax.grad, checkpointing makes each step keep only its carry and recompute its score
     # block in the backward pass: memory O(Tq * (Tk / block_k) * D) instead of O(Tq * Tk).

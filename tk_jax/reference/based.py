@@ -54,9 +54,11 @@ def _dot(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(subscripts, a, b, precision=_PRECISION, preferred_element_type=jnp.float32)
 
 
-def _zero_state(batch: int, heads: int, num_features: int, value_dim: int):
-    return (jnp.zeros((batch, heads, num_features, value_dim), jnp.float32),
-            jnp.zeros((batch, heads, num_features), jnp.float32))
+def _zero_state(like, batch: int, heads: int, num_features: int, value_dim: int):
+    # zeros_like(`like`): inside shard_map the state then has the inputs' device-varying type,
+    # as the chunk scan's carry must.
+    return (jnp.zeros_like(like, jnp.float32, shape=(batch, heads, num_features, value_dim)),
+            jnp.zeros_like(like, jnp.float32, shape=(batch, heads, num_features)))
 
 
 def based_forward(q, k, v, *, normalize: bool, eps: float, initial_state=None, chunk: int = 64):
@@ -71,7 +73,7 @@ def based_forward(q, k, v, *, normalize: bool, eps: float, initial_state=None, c
     value_dim = v.shape[-1]
     num_features = 1 + d + d * d
     if initial_state is None:
-        initial_state = _zero_state(batch, heads, num_features, value_dim)
+        initial_state = _zero_state(v, batch, heads, num_features, value_dim)
     state0 = tuple(s.astype(jnp.float32) for s in initial_state)
 
     # Pad T up to a multiple of the chunk. Padded keys must be masked out explicitly:

@@ -1,0 +1,361 @@
+"""Multi-device attention on 8 CPU host devices (tests/conftest.py): sharded jit, shard_map,
+pmap and ring attention, each against unsharded flash_attention (forward and gradients).
+
+The CUDA kernels cannot run here, so "kernel path" tests swap tk_jax._kernels for functions
+that run the reference: flash_attention then takes exactly the route it takes on a GPU
+(the partitioning rule of tk_jax/sharding.py around the kernel calls), only the innermost
+function differs. HLO checks read the compiled program's text for collectives.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import sys
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import tk_jax
+import tk_jax._backend
+from tk_jax import sharding
+from tk_jax.reference.attention import attention_backward, attention_forward
+
+try:  # tests/ as a package, or tests/ on sys.path
+    from tests.naive import relative_l2
+except ImportError:
+    from naive import relative_l2
+
+COLLECTIVES = re.compile(r"\b(all-gather|all-to-all|all-reduce|collective-permute|"
+                         r"reduce-scatter)(-start)?\b")
+TOL = 2e-5  # float32, sharded vs unsharded: only the order of additions differs
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+def mesh_of(shape, names, devices=None):
+    devices = jax.devices() if devices is None else devices
+    return Mesh(np.array(devices[:int(np.prod(shape))]).reshape(shape), names)
+
+
+def random_arrays(rng, *shapes, dtype=jnp.float32):
+    return tuple(jnp.asarray(rng.standard_normal(s), dtype) for s in shapes)
+
+
+def collectives(compiled_text: str) -> set[str]:
+    return {m.group(1) for m in COLLECTIVES.finditer(compiled_text)}
+
+
+def assert_close(actual, expected, what, tol=TOL):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32))
+    assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
+    err = relative_l2(actual, np.asarray(jnp.asarray(expected, jnp.float32)))
+    assert err < tol, f"{what}: relative L2 error {err:.3g} >= {tol}"
+
+
+def output_and_grads(attend):
+    """fn(q, k, v, do) -> (o, (dq, dk, dv)) of the loss sum(o * do)."""
+    def run(q, k, v, do):
+        def loss(q, k, v):
+            return jnp.sum(attend(q, k, v).astype(jnp.float32) * do)
+        return attend(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return run
+
+
+def expected_result(attend, q, k, v, do):
+    """o and grads of `attend` (a flash_attention partial) with the reference, unsharded."""
+    return jax.jit(output_and_grads(functools.partial(attend, backend="reference")))(q, k, v, do)
+
+
+def assert_all_close(actual, expected, tol=TOL):
+    (o, grads), (o_ref, grads_ref) = actual, expected
+    assert_close(o, o_ref, "o", tol)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_close(g, g_ref, name, tol)
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    """Pretend the kernels are available; their wrappers run the reference instead."""
+    def attention_fwd(q, k, v, *, scale, window_left, window_right, **unused):
+        return attention_forward(q, k, v, scale=scale, window_left=window_left,
+                                 window_right=window_right)
+
+    def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale, window_left, window_right,
+                      **unused):
+        grads = attention_backward(q, k, v, o, lse, do, scale=scale, window_left=window_left,
+                                   window_right=window_right, dlse=dlse)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+    module = types.ModuleType("tk_jax._kernels")
+    module.attention_fwd = attention_fwd
+    module.attention_bwd = attention_bwd
+    module.attention_kernel_unsupported = lambda q, k, v: None
+    monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
+    monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)
+    monkeypatch.setattr(tk_jax, "_kernels", module, raising=False)
+    monkeypatch.setattr(sharding, "_warned", set())  # one-time warnings start afresh
+    return "kernel"
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Sharded jit over batch and heads: no collective, same result.
+# Each case: mesh shape, Hq, Hkv, spec of q (and o, do), spec of k and v.
+
+MESH_2x4 = ((2, 4), ("data", "model"))
+BATCH_HEAD_CASES = {
+    "batch": (MESH_2x4, 4, 4, P(("data", "model")), P(("data", "model"))),
+    "heads": (MESH_2x4, 8, 8, P(None, None, ("data", "model")), P(None, None, ("data", "model"))),
+    "batch+heads, GQA": (MESH_2x4, 8, 4, P("data", None, "model"), P("data", None, "model")),
+    # kv heads fewer than the head shards: K/V stay whole, each device picks its kv head
+    "GQA, one kv head per device": (MESH_2x4, 8, 2, P("data", None, "model"), P("data")),
+    # 3 head shards, 6 query heads over 2 kv heads: devices need different kv heads per q head
+    "GQA, kv head per query head": (((2, 3), ("data", "model")), 6, 2,
+                                    P("data", None, "model"), P("data")),
+}
+KV_PICK_CASES = {"GQA, one kv head per device", "GQA, kv head per query head"}
+
+
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+@pytest.mark.parametrize("case", list(BATCH_HEAD_CASES))
+def test_sharded_jit_over_batch_and_heads_has_no_collectives(request, rng, case, path):
+    (mesh_shape, axis_names), hq, hkv, q_spec, kv_spec = BATCH_HEAD_CASES[case]
+    backend = request.getfixturevalue("kernel_path") if path == "kernel" else "reference"
+    mesh = mesh_of(mesh_shape, axis_names)
+    batch, seq, dim = 8, 11, 16
+    q, k, v, do = random_arrays(rng, (batch, seq, hq, dim), (batch, seq, hkv, dim),
+                                (batch, seq, hkv, dim), (batch, seq, hq, dim))
+    attend = functools.partial(tk_jax.flash_attention, causal=True, backend=backend)
+    expected = expected_result(attend, q, k, v, do)
+
+    q_sharding, kv_sharding = NamedSharding(mesh, q_spec), NamedSharding(mesh, kv_spec)
+    args = (jax.device_put(q, q_sharding), jax.device_put(k, kv_sharding),
+            jax.device_put(v, kv_sharding), jax.device_put(do, q_sharding))
+    compiled = jax.jit(output_and_grads(attend)).lower(*args).compile()
+    found = collectives(compiled.as_text())
+    if case in KV_PICK_CASES:
+        # Only the kernel path has the rule that picks kv heads per device; XLA's own split of
+        # the plain reference may gather K/V here (correct, just not free), so it is only
+        # checked for its values. The gradient of K/V that every head shard reads sums over
+        # the shards: an all-reduce is inherent. The forward alone needs nothing.
+        if path == "kernel":
+            assert found <= {"all-reduce"}, found
+            forward = jax.jit(attend).lower(*args[:3]).compile()
+            assert not collectives(forward.as_text())
+    else:
+        assert not found, f"collectives in the sharded program: {found}"
+    assert_all_close(compiled(*args), expected)
+
+
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_sequence_sharding_is_correct_and_warns_once(request, rng, path):
+    backend = request.getfixturevalue("kernel_path") if path == "kernel" else "reference"
+    mesh = mesh_of((2, 4), ("data", "seq"))
+    q, k, v, do = random_arrays(rng, (2, 16, 2, 8), (2, 16, 2, 8), (2, 16, 2, 8), (2, 16, 2, 8))
+    attend = functools.partial(tk_jax.flash_attention, causal=True, backend=backend)
+    expected = expected_result(attend, q, k, v, do)
+    spec = NamedSharding(mesh, P("data", "seq"))
+    args = [jax.device_put(x, spec) for x in (q, k, v, do)]
+
+    run = jax.jit(output_and_grads(attend))
+    if path == "kernel":
+        with pytest.warns(UserWarning, match="ring_attention"):
+            result = run(*args)
+        with warnings.catch_warnings():  # a second compilation stays quiet
+            warnings.simplefilter("error")
+            jax.jit(functools.partial(attend, softmax_scale=0.5)).lower(*args[:3]).compile()
+    else:
+        result = run(*args)
+    assert_all_close(result, expected)
+
+
+def test_based_reference_sharded_jit_has_no_collectives(rng):
+    mesh = mesh_of((2, 4), ("data", "model"))
+    q, k, v = random_arrays(rng, (4, 8, 8, 16), (4, 8, 8, 16), (4, 8, 8, 4))
+    spec = NamedSharding(mesh, P("data", None, "model"))
+
+    def output_and_grad(q, k, v):
+        attend = functools.partial(tk_jax.based_linear_attention, backend="reference")
+        return attend(q, k, v), jax.grad(lambda q: jnp.sum(attend(q, k, v) ** 2))(q)
+
+    args = [jax.device_put(x, spec) for x in (q, k, v)]
+    compiled = jax.jit(output_and_grad).lower(*args).compile()
+    assert not collectives(compiled.as_text())
+    for actual, expected in zip(compiled(*args), jax.jit(output_and_grad)(q, k, v)):
+        assert_close(actual, expected, "based", tol=1e-5)
+
+
+def test_kernel_path_under_vmap(kernel_path, rng):
+    """custom_partitioning has no vmap rule; the wrapper folds vmapped axes into the batch."""
+    q, k, v, do = random_arrays(rng, (3, 2, 7, 4, 8), (3, 2, 9, 2, 8), (3, 2, 9, 2, 8),
+                                (3, 2, 7, 4, 8))
+    attend = functools.partial(tk_jax.flash_attention, window_size=(3, 1))
+    expected = expected_result(attend, q, k, v, do)
+    run = jax.jit(jax.vmap(output_and_grads(functools.partial(attend, backend=kernel_path))))
+    assert_all_close(run(q, k, v, do), expected)
+    # Only q mapped: k and v are broadcast over the mapped axis.
+    o = jax.vmap(functools.partial(attend, backend=kernel_path), in_axes=(0, None, None))(
+        q, k[0], v[0])
+    o_ref = attend(q, jnp.broadcast_to(k[0], k.shape), jnp.broadcast_to(v[0], v.shape),
+                   backend="reference")
+    assert_close(o, o_ref, "o (only q mapped)")
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. shard_map and pmap: flash_attention on local shards, forward and backward.
+
+
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_flash_attention_inside_shard_map(request, rng, path):
+    backend = request.getfixturevalue("kernel_path") if path == "kernel" else "reference"
+    mesh = mesh_of((2, 4), ("data", "model"))
+    q, k, v, do = random_arrays(rng, (4, 9, 8, 16), (4, 12, 4, 16), (4, 12, 4, 16),
+                                (4, 9, 8, 16))
+    attend = functools.partial(tk_jax.flash_attention, causal=True, backend=backend)
+    expected = expected_result(attend, q, k, v, do)
+    spec = P("data", None, "model")
+    local = sharding.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    assert_all_close(jax.jit(output_and_grads(local))(q, k, v, do), expected)
+
+
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_flash_attention_inside_pmap(request, rng, path):
+    backend = request.getfixturevalue("kernel_path") if path == "kernel" else "reference"
+    q, k, v, do = random_arrays(rng, (8, 1, 6, 2, 8), (8, 1, 10, 1, 8), (8, 1, 10, 1, 8),
+                                (8, 1, 6, 2, 8))
+    attend = functools.partial(tk_jax.flash_attention, window_size=(4, 0), backend=backend)
+    expected = expected_result(attend, q, k, v, do)
+    assert_all_close(jax.pmap(output_and_grads(attend))(q, k, v, do), expected)
+
+
+def test_kernel_calls_inside_shard_map_are_typed_per_device(monkeypatch):
+    """With the real FFI wrappers (traced only, never run): the kernel's results must be typed
+    as varying between devices, or custom_vjp rejects the backward and autodiff would sum the
+    cotangents across devices (a psum in the gradient)."""
+    pytest.importorskip("tk_jax._kernels")
+    monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
+    mesh = mesh_of((8,), ("x",))
+    q = jnp.zeros((8, 64, 2, 64), jnp.bfloat16)
+    attend = functools.partial(tk_jax.flash_attention, causal=True, backend="kernel")
+    local = sharding.shard_map(lambda q: attend(q, q, q), mesh=mesh, in_specs=P("x"),
+                               out_specs=P("x"))
+    grad = jax.grad(lambda q: jnp.sum(local(q).astype(jnp.float32)))
+    jaxpr = str(jax.make_jaxpr(grad)(q))
+    assert "ffi_call" in jaxpr
+    assert "psum" not in jaxpr
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Ring attention.
+
+
+def ring(mesh, axis, *, causal, load_balanced, backend="reference"):
+    """ring_attention over the sequence axis of full arrays (in the layout they are given)."""
+    attend = functools.partial(tk_jax.ring_attention, axis_name=axis, causal=causal,
+                               load_balanced=load_balanced, backend=backend)
+    spec = P(None, axis)
+    return sharding.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+
+
+def run_in_layout(run, load_balanced, num_devices, *arrays):
+    """run(*arrays) on the arrays put into the load-balanced layout (once, as a data pipeline
+    would, outside the jitted step), with every output put back into the natural order."""
+    if not load_balanced:
+        return run(*arrays)
+    to_layout = functools.partial(sharding.to_load_balanced, num_shards=num_devices)
+    result = run(*map(to_layout, arrays))
+    back = functools.partial(sharding.from_load_balanced, num_shards=num_devices)
+    return jax.tree.map(back, result)
+
+
+@pytest.mark.parametrize("devices", [4])
+@pytest.mark.parametrize("load_balanced", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_attention_matches_flash_attention(rng, causal, load_balanced, devices):
+    mesh = mesh_of((devices,), ("seq",))
+    seq = 2 * devices * 3  # three positions per load-balanced chunk
+    q, k, v, do = random_arrays(rng, (2, seq, 4, 16), (2, seq, 2, 16), (2, seq, 2, 16),
+                                (2, seq, 4, 16))
+    expected = expected_result(functools.partial(tk_jax.flash_attention, causal=causal),
+                               q, k, v, do)
+    attend = ring(mesh, "seq", causal=causal, load_balanced=load_balanced)
+    compiled = jax.jit(output_and_grads(attend)).lower(q, k, v, do).compile()
+    # K/V blocks only pass around the ring: no gather, no reduction. Causal skipping is a real
+    # branch (an XLA conditional), not a computation whose result is masked away.
+    assert collectives(compiled.as_text()) == {"collective-permute"}
+    assert ("conditional" in compiled.as_text()) == causal
+    assert_all_close(run_in_layout(compiled, load_balanced, devices, q, k, v, do), expected)
+
+
+def test_ring_attention_eight_devices_bf16_kernel_path(kernel_path, rng):
+    mesh = mesh_of((8,), ("seq",))
+    q, k, v, do = random_arrays(rng, (1, 32, 2, 16), (1, 32, 1, 16), (1, 32, 1, 16),
+                                (1, 32, 2, 16), dtype=jnp.bfloat16)
+    expected = expected_result(functools.partial(tk_jax.flash_attention, causal=True),
+                               q, k, v, do)
+    attend = ring(mesh, "seq", causal=True, load_balanced=True, backend=kernel_path)
+    result = run_in_layout(jax.jit(output_and_grads(attend)), True, 8, q, k, v, do)
+    assert all(g.dtype == jnp.bfloat16 for g in result[1])
+    assert_all_close(result, expected, tol=2e-2)
+
+
+def test_ring_attention_inside_pmap(rng):
+    q, k, v, do = random_arrays(rng, (1, 16, 2, 8), (1, 16, 2, 8), (1, 16, 2, 8), (1, 16, 2, 8))
+    expected = expected_result(functools.partial(tk_jax.flash_attention, causal=True),
+                               q, k, v, do)
+
+    def split(x):  # [1, 16, H, D] -> [4 devices, 1, 4, H, D], load-balanced
+        x = sharding.to_load_balanced(x, 4)
+        return jnp.moveaxis(x.reshape(1, 4, 4, *x.shape[2:]), 1, 0)
+
+    def join(x):
+        return sharding.from_load_balanced(jnp.moveaxis(x, 0, 1).reshape(1, 16, *x.shape[3:]), 4)
+
+    attend = functools.partial(tk_jax.ring_attention, axis_name="i", causal=True,
+                               backend="reference")
+    o, grads = jax.pmap(output_and_grads(attend), axis_name="i")(*map(split, (q, k, v, do)))
+    assert_all_close((join(o), tuple(map(join, grads))), expected)
+
+
+def test_load_balanced_layout():
+    n = 4
+    x = jnp.arange(2 * n * 3)[None, :, None, None]  # 3 positions per chunk
+    balanced = sharding.to_load_balanced(x, n)
+    per_device = np.asarray(balanced).reshape(n, 2, 3)
+    for i in range(n):  # device i holds chunks i and 2n-1-i
+        np.testing.assert_array_equal(per_device[i, 0], np.arange(3) + 3 * i)
+        np.testing.assert_array_equal(per_device[i, 1], np.arange(3) + 3 * (2 * n - 1 - i))
+    np.testing.assert_array_equal(sharding.from_load_balanced(balanced, n), x)
+    y = jnp.arange(40).reshape(5, 8)
+    np.testing.assert_array_equal(
+        sharding.from_load_balanced(sharding.to_load_balanced(y, 2, axis=1), 2, axis=1), y)
+    with pytest.raises(ValueError, match="multiple"):
+        sharding.to_load_balanced(jnp.zeros((1, 10, 1, 1)), 4)
+
+
+def test_ring_attention_errors():
+    q = jnp.zeros((1, 6, 2, 8))
+    with pytest.raises(ValueError, match="axis_name='seq'.*shard_map"):
+        tk_jax.ring_attention(q, q, q, axis_name="seq")
+    mesh = mesh_of((2,), ("seq",))
+
+    def call(q, k, **kwargs):  # traced only: the checks run while tracing
+        f = functools.partial(tk_jax.ring_attention, axis_name="seq", **kwargs)
+        return jax.eval_shape(sharding.shard_map(f, mesh=mesh, in_specs=P(None, "seq"),
+                                                 out_specs=P(None, "seq")), q, k, k)
+
+    with pytest.raises(ValueError, match="^ring_attention: .*must be even"):
+        call(jnp.zeros((1, 6, 2, 8)), jnp.zeros((1, 6, 2, 8)), causal=True)
+    call(jnp.zeros((1, 6, 2, 8)), jnp.zeros((1, 6, 2, 8)), causal=True, load_balanced=False)
+    with pytest.raises(ValueError, match="^ring_attention: q and k must hold the same part"):
+        call(jnp.zeros((1, 8, 2, 8)), jnp.zeros((1, 4, 2, 8)))
+    with pytest.raises(ValueError, match="^ring_attention: .*heads"):
+        call(jnp.zeros((1, 8, 3, 8)), jnp.zeros((1, 8, 2, 8)))
+    with pytest.raises(TypeError, match="^ring_attention: causal"):
+        call(q, q, causal=1)
