@@ -3,7 +3,7 @@
     flash_attention(q, k, v, ...)              checks arguments, folds batch dims into B
       -> _attention / _attention_with_lse      (jax.custom_vjp) rank-4 [B, T, H, D] from here on
            forward:  attention_fwd_impl         kernel or reference forward -> (o, lse)
-           backward: attention_bwd_impl         reference backward for both backends (for now)
+           backward: attention_bwd_impl         kernel or reference backward -> (dq, dk, dv)
 
 The backend is resolved to "kernel" or "reference" in Python, while tracing, before any custom
 call is emitted (see tk_jax/_backend.py). The kernel path goes through the partitioning rule of
