@@ -2,7 +2,6 @@
 #include <cmath>
 
 #include "attention.h"
-#include "forward_kernel.cuh"  // key_range
 #include "backward_kernel.cuh"
 
 namespace tk::attention {

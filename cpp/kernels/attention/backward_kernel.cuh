@@ -13,6 +13,7 @@
 
 #include "../../kittens/kittens.cuh"
 #include "attention.h"
+#include "softmax_band.cuh"
 
 namespace tk::attention {
 
@@ -44,14 +45,6 @@ struct BackwardArgs {
   BackwardParams p;
 };
 
-// Which queries can see keys [first_key, last_key], as [lo, hi).
-__device__ __forceinline__ key_range visible_queries(const BackwardParams& p, int first_key, int last_key) {
-  const int offset = p.seq_k - p.seq_q;
-  const int lo = p.window_right >= 0 ? max(0, first_key - offset - p.window_right) : 0;
-  const int hi = p.window_left >= 0 ? min(p.seq_q, last_key - offset + p.window_left + 1) : p.seq_q;
-  return {lo, hi};
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     backward_kernel(const __grid_constant__ BackwardArgs args) {
@@ -65,7 +58,8 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   const int kv_h = blockIdx.y, b = blockIdx.z;
   const int k0 = blockIdx.x * config::KV_ROWS;
   const int group = p.heads_q / p.heads_kv;
-  const key_range queries = visible_queries(p, k0, min(k0 + config::KV_ROWS, p.seq_k) - 1);
+  const band mask_band = band::of(p);
+  const key_range queries = mask_band.queries_of(k0, min(k0 + config::KV_ROWS, p.seq_k) - 1);
   const int first_tile = queries.lo / QT;
   const int tiles_per_head = queries.hi > queries.lo ? (queries.hi + QT - 1) / QT - first_tile : 0;
   const int steps = tiles_per_head * group;
@@ -105,7 +99,6 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     const int consumer = warpgroup::groupid() - 1, warp = warpgroup::warp_in_group();
     const int key0 = k0 + 64 * consumer + 16 * warp;  // this warp's first key row
     const float c = p.scale * LOG2E;
-    const int offset = p.seq_k - p.seq_q;
     const auto dq_accum = gl<float>::contiguous(p.dq_accum, p.batch, p.seq_q, p.heads_q, D);
 
     rt_fl<16, D> dk, dv;
@@ -122,15 +115,8 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       rt_fl<16, QT> probs;
       warpgroup::mma_ABt(probs, s.k[consumer], s.q[stage], false);
       warpgroup::wait<0>();
-      const bool crosses_edge = key0 + 15 >= p.seq_k ||
-                                (p.window_right >= 0 && key0 + 15 - q0 > offset + p.window_right) ||
-                                (p.window_left >= 0 && key0 < q0 + QT - 1 + offset - p.window_left);
-      if (crosses_edge) {
-        mask(probs, key0, q0, [&](int kj, int qi) {
-          return kj < p.seq_k && (p.window_right < 0 || kj <= qi + offset + p.window_right) &&
-                 (p.window_left < 0 || kj >= qi + offset - p.window_left);
-        });
-      }
+      if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
+        mask(probs, key0, q0, [&](int kj, int qi) { return mask_band.visible(qi, kj); });
       map_cols(probs, s.lse[stage], [=](float x, float lse) { return fast_exp2(c * x - LOG2E * lse); });
       rt<T, 16, QT> probs_16;
       copy(probs_16, probs);

@@ -12,6 +12,7 @@
 
 #include "../../kittens/kittens.cuh"
 #include "attention.h"
+#include "softmax_band.cuh"
 
 namespace tk::attention {
 
@@ -28,16 +29,6 @@ struct forward_shared {
   st<T, FWD_KV_ROWS, D> k[2], v[2];
 };
 
-// Which keys rows [first_row, last_row] may see, as [lo, hi).
-struct key_range {
-  int lo, hi;
-};
-__device__ __forceinline__ key_range visible_keys(const ForwardParams& p, int first_row, int last_row) {
-  const int offset = p.seq_k - p.seq_q;
-  const int lo = p.window_left >= 0 ? max(0, first_row + offset - p.window_left) : 0;
-  const int hi = p.window_right >= 0 ? min(p.seq_k, last_row + offset + p.window_right + 1) : p.seq_k;
-  return {lo, hi};
-}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_constant__ ForwardParams p) {
@@ -56,9 +47,8 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_const
   const auto Q = gl<T>::contiguous((T*)p.q, p.batch, p.seq_q, p.heads_q, D);
   const auto K = gl<T>::contiguous((T*)p.k, p.batch, p.seq_k, p.heads_kv, D);
   const auto V = gl<T>::contiguous((T*)p.v, p.batch, p.seq_k, p.heads_kv, D);
-  const auto O = gl<T>::contiguous((T*)p.o, p.batch, p.seq_q, p.heads_q, D);
-
-  const key_range keys = visible_keys(p, q0, min(q0 + FWD_Q_ROWS, p.seq_q) - 1);
+  const band mask_band = band::of(p);
+  const key_range keys = mask_band.keys_of(q0, min(q0 + FWD_Q_ROWS, p.seq_q) - 1);
   const int first_tile = keys.lo / FWD_KV_ROWS;
   const int end_tile = keys.hi > keys.lo ? (keys.hi + FWD_KV_ROWS - 1) / FWD_KV_ROWS : first_tile;
 
@@ -69,7 +59,6 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_const
   map(m, [](float) { return NEG_INF; });
   map(l, [](float) { return 0.f; });
   const float c = p.scale * LOG2E;
-  const int offset = p.seq_k - p.seq_q;
 
   load_async<FWD_THREADS>(s.q, Q, {b, h, q0});
   if (first_tile < end_tile) {
@@ -99,33 +88,10 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_const
       mma_ABt(scores, q.template col_slice<16>(d), k, scores);
     }
 
-    const int k0 = tile * FWD_KV_ROWS;
-    const int row0 = q0 + 16 * warp;
-    const bool crosses_edge =
-        k0 + FWD_KV_ROWS > p.seq_k ||
-        (p.window_right >= 0 && k0 + FWD_KV_ROWS - 1 > row0 + offset + p.window_right) ||
-        (p.window_left >= 0 && k0 < row0 + 15 + offset - p.window_left);
-    if (crosses_edge) {
-      mask(scores, row0, k0, [&](int i, int j) {
-        return j < p.seq_k && (p.window_right < 0 || j <= i + offset + p.window_right) &&
-               (p.window_left < 0 || j >= i + offset - p.window_left);
-      });
-    }
-
-    // Online softmax. A row that has seen no key yet keeps max -inf: use 0 in its place so
-    // that 2^(-inf - 0) = 0 instead of NaN.
-    row_vec<16> m_new, rescale;
-    row_max(m_new, scores);
-    map(m_new, m_new, m, [](float a, float b) { return fmaxf(a, b); });
-    map(m_new, [](float x) { return x == NEG_INF ? 0.f : x; });
-    map(rescale, m, m_new, [=](float old_m, float new_m) { return fast_exp2(c * (old_m - new_m)); });
-    map_rows(scores, m_new, [=](float x, float mx) { return fast_exp2(c * x - c * mx); });
-    row_vec<16> tile_sum;
-    row_sum(tile_sum, scores);
-    map(l, l, rescale, [](float a, float b) { return a * b; });
-    map(l, l, tile_sum, [](float a, float b) { return a + b; });
-    mul_row(o, rescale);
-    m = m_new;  // rows still empty carry 0 here; their l and O are 0, so rescaling them is harmless
+    const int k0 = tile * FWD_KV_ROWS, row0 = q0 + 16 * warp;
+    if (mask_band.cuts(row0, 16, k0, FWD_KV_ROWS))
+      mask(scores, row0, k0, [&](int i, int j) { return mask_band.visible(i, j); });
+    online_softmax_step(scores, m, l, o, c);
 
     // O += P V, 16 columns of head_dim at a time.
     rt<T, 16, FWD_KV_ROWS> probs;
@@ -140,22 +106,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_const
   }
   cp_async_wait<0>();
 
-  // O /= l and the log-sum-exp; rows that saw nothing get O = 0, lse = -inf.
-  row_vec<16> inv_l;
-  map(inv_l, l, l, [](float x, float) { return x > 0.f ? 1.f / x : 0.f; });
-  mul_row(o, inv_l);
-  store(O, o, {b, h, q0 + 16 * warp});
-  if ((laneid() & 3) == 0) {
-#pragma unroll
-    for (int half_idx = 0; half_idx < 2; half_idx++) {
-      const int row = q0 + 16 * warp + row_vec_row(0, half_idx);
-      if (row < p.seq_q) {
-        const float lv = l.data[0][half_idx];
-        p.lse[(int64_t(b) * p.heads_q + h) * p.seq_q + row] =
-            lv > 0.f ? (c * m.data[0][half_idx] + __log2f(lv)) * LN2 : NEG_INF;
-      }
-    }
-  }
+  store_output<T, D>(o, m, l, c, p, b, h, q0 + 16 * warp);
 }
 
 template <typename T, int D>

@@ -14,7 +14,7 @@
 
 #include "../../kittens/kittens.cuh"
 #include "attention.h"
-#include "forward_kernel.cuh"  // visible_keys
+#include "softmax_band.cuh"
 
 namespace tk::attention {
 
@@ -57,7 +57,8 @@ __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
   const int h = blockIdx.y, b = blockIdx.z;
   const int kv_h = h / (p.heads_q / p.heads_kv);
   const int q0 = q_block * config::Q_ROWS;
-  const key_range keys = visible_keys(p, q0, min(q0 + config::Q_ROWS, p.seq_q) - 1);
+  const band mask_band = band::of(p);
+  const key_range keys = mask_band.keys_of(q0, min(q0 + config::Q_ROWS, p.seq_q) - 1);
   const int first_tile = keys.lo / KV;
   const int end_tile = keys.hi > keys.lo ? (keys.hi + KV - 1) / KV : first_tile;
 
@@ -91,7 +92,6 @@ __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
     const int consumer = warpgroup::groupid() - 1;
     const int row0 = q0 + 64 * consumer + 16 * warpgroup::warp_in_group();  // this warp's first row
     const float c = p.scale * LOG2E;
-    const int offset = p.seq_k - p.seq_q;
 
     rt_fl<16, D> o;
     row_vec<16> m, l;
@@ -108,28 +108,9 @@ __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
       warpgroup::wait<0>();
 
       const int k0 = tile * KV;
-      const bool crosses_edge = k0 + KV > p.seq_k ||
-                                (p.window_right >= 0 && k0 + KV - 1 > row0 + offset + p.window_right) ||
-                                (p.window_left >= 0 && k0 < row0 + 15 + offset - p.window_left);
-      if (crosses_edge) {
-        mask(scores, row0, k0, [&](int qi, int kj) {
-          return kj < p.seq_k && (p.window_right < 0 || kj <= qi + offset + p.window_right) &&
-                 (p.window_left < 0 || kj >= qi + offset - p.window_left);
-        });
-      }
-
-      // Online softmax (see forward_kernel.cuh for the empty-row convention).
-      row_vec<16> m_new, rescale, tile_sum;
-      row_max(m_new, scores);
-      map(m_new, m_new, m, [](float a, float b2) { return fmaxf(a, b2); });
-      map(m_new, [](float x) { return x == NEG_INF ? 0.f : x; });
-      map(rescale, m, m_new, [=](float old_m, float new_m) { return fast_exp2(c * (old_m - new_m)); });
-      map_rows(scores, m_new, [=](float x, float mx) { return fast_exp2(c * x - c * mx); });
-      row_sum(tile_sum, scores);
-      map(l, l, rescale, [](float a, float b2) { return a * b2; });
-      map(l, l, tile_sum, [](float a, float b2) { return a + b2; });
-      mul_row(o, rescale);
-      m = m_new;
+      if (mask_band.cuts(row0, 16, k0, KV))
+        mask(scores, row0, k0, [&](int i, int j) { return mask_band.visible(i, j); });
+      online_softmax_step(scores, m, l, o, c);
 
       rt<T, 16, KV> probs;
       copy(probs, scores);
@@ -139,22 +120,7 @@ __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
       if (laneid() == 0) tma::arrive(s.kv_empty[stage]);  // this warp is done with the stage
     }
 
-    row_vec<16> inv_l;
-    map(inv_l, l, l, [](float x, float) { return x > 0.f ? 1.f / x : 0.f; });
-    mul_row(o, inv_l);
-    const auto O = gl<T>::contiguous((T*)p.o, p.batch, p.seq_q, p.heads_q, D);
-    store(O, o, {b, h, row0});
-    if ((laneid() & 3) == 0) {
-#pragma unroll
-      for (int half_idx = 0; half_idx < 2; half_idx++) {
-        const int row = row0 + row_vec_row(0, half_idx);
-        if (row < p.seq_q) {
-          const float lv = l.data[0][half_idx];
-          p.lse[(int64_t(b) * p.heads_q + h) * p.seq_q + row] =
-              lv > 0.f ? (c * m.data[0][half_idx] + __log2f(lv)) * LN2 : NEG_INF;
-        }
-      }
-    }
+    store_output<T, D>(o, m, l, c, p, b, h, row0);
   }
 }
 

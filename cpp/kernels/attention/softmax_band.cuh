@@ -1,0 +1,92 @@
+// What the attention kernels share: the causal / sliding-window band, one step of the online
+// softmax for a warp's 16 query rows, and the final O / lse write-out.
+#pragma once
+
+#include "../../kittens/kittens.cuh"
+#include "attention.h"
+
+namespace tk::attention {
+
+using namespace kittens;
+
+// A half-open range [lo, hi) of sequence positions.
+struct key_range {
+  int lo, hi;
+};
+
+// Query i sees key j iff j < seq_k and
+//   (window_left < 0 or j >= i + offset - window_left) and (window_right < 0 or j <= i + offset + window_right),
+// offset = seq_k - seq_q (bottom-right alignment).
+struct band {
+  int seq_q, seq_k, window_left, window_right;
+
+  template <typename Params>
+  __device__ static band of(const Params& p) {
+    return {p.seq_q, p.seq_k, p.window_left, p.window_right};
+  }
+  __device__ int offset() const { return seq_k - seq_q; }
+  __device__ bool visible(int i, int j) const {
+    return j < seq_k && (window_right < 0 || j <= i + offset() + window_right) &&
+           (window_left < 0 || j >= i + offset() - window_left);
+  }
+  // Keys that queries [first, last] may see.
+  __device__ key_range keys_of(int first, int last) const {
+    return {window_left >= 0 ? max(0, first + offset() - window_left) : 0,
+            window_right >= 0 ? min(seq_k, last + offset() + window_right + 1) : seq_k};
+  }
+  // Queries that may see keys [first, last].
+  __device__ key_range queries_of(int first, int last) const {
+    return {window_right >= 0 ? max(0, first - offset() - window_right) : 0,
+            window_left >= 0 ? min(seq_q, last - offset() + window_left + 1) : seq_q};
+  }
+  // Whether some pair of queries [q0, q0 + nq) x keys [k0, k0 + nk) is invisible, so the
+  // tile needs element masks (tiles wholly outside the band are never visited).
+  __device__ bool cuts(int q0, int nq, int k0, int nk) const {
+    return k0 + nk > seq_k || (window_right >= 0 && k0 + nk - 1 > q0 + offset() + window_right) ||
+           (window_left >= 0 && k0 < q0 + nq - 1 + offset() - window_left);
+  }
+};
+
+// One key tile of the online softmax for a warp's 16 rows, with c = scale * log2(e):
+//   m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P;  O *= 2^(c m - c m')
+// `scores` becomes P. A row that has seen no key yet keeps max -inf: 0 stands in for it so
+// that 2^(-inf - 0) = 0 instead of NaN (its l and O are 0, so rescaling them is harmless).
+template <int KV, int D>
+__device__ __forceinline__ void online_softmax_step(rt_fl<16, KV>& scores, row_vec<16>& m, row_vec<16>& l,
+                                                    rt_fl<16, D>& o, float c) {
+  row_vec<16> m_new, rescale, tile_sum;
+  row_max(m_new, scores);
+  map(m_new, m_new, m, [](float a, float b) { return fmaxf(a, b); });
+  map(m_new, [](float x) { return x == NEG_INF ? 0.f : x; });
+  map(rescale, m, m_new, [=](float old_m, float new_m) { return fast_exp2(c * (old_m - new_m)); });
+  map_rows(scores, m_new, [=](float x, float mx) { return fast_exp2(c * x - c * mx); });
+  row_sum(tile_sum, scores);
+  map(l, l, rescale, [](float a, float b) { return a * b; });
+  map(l, l, tile_sum, [](float a, float b) { return a + b; });
+  mul_row(o, rescale);
+  m = m_new;
+}
+
+// O /= l, written to p.o, and lse = ln 2 (c m + log2 l) to p.lse, for the warp's 16 rows from
+// row0 (rows past seq_q are skipped). Rows that saw no key get O = 0 and lse = -inf.
+template <typename T, int D>
+__device__ __forceinline__ void store_output(rt_fl<16, D>& o, const row_vec<16>& m, const row_vec<16>& l, float c,
+                                             const ForwardParams& p, int b, int h, int row0) {
+  row_vec<16> inv_l;
+  map(inv_l, l, l, [](float x, float) { return x > 0.f ? 1.f / x : 0.f; });
+  mul_row(o, inv_l);
+  store(gl<T>::contiguous((T*)p.o, p.batch, p.seq_q, p.heads_q, D), o, {b, h, row0});
+  if ((laneid() & 3) == 0) {
+#pragma unroll
+    for (int half_idx = 0; half_idx < 2; half_idx++) {
+      const int row = row0 + row_vec_row(0, half_idx);
+      if (row < p.seq_q) {
+        const float lv = l.data[0][half_idx];
+        p.lse[(int64_t(b) * p.heads_q + h) * p.seq_q + row] =
+            lv > 0.f ? (c * m.data[0][half_idx] + __log2f(lv)) * LN2 : NEG_INF;
+      }
+    }
+  }
+}
+
+}  // namespace tk::attention
