@@ -65,3 +65,43 @@ def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: 
     dq, dk, dv = call(q, k, v, do.astype(q.dtype), lse, delta, scale=np.float32(scale),
                       window_left=np.int64(window_left), window_right=np.int64(window_right))
     return dq.astype(q.dtype), dk, dv
+
+
+BASED_FEATURE_DIM = 16       # q/k features of Based (cpp: tk::based::FEATURE_DIM)
+BASED_NUM_FEATURES = 273     # 1 + 16 + 16*16 Taylor features (cpp: tk::based::NUM_FEATURES)
+BASED_VALUE_DIMS = (64, 128)
+_GRID_LIMIT = 65535          # batch and heads are grid dimensions of the Based kernel
+
+
+def based_kernel_unsupported(q, k, v) -> str | None:
+    """None when the Based forward kernel handles these rank-4 inputs, else why not."""
+    if q.dtype not in [jnp.dtype(d) for d in KERNEL_DTYPES]:
+        return f"the Based kernel takes bf16 or fp16 inputs, got {q.dtype}"
+    if q.shape[-1] != BASED_FEATURE_DIM or k.shape[-1] != BASED_FEATURE_DIM:
+        return f"the Based kernel needs feature dim {BASED_FEATURE_DIM}, got {q.shape[-1]}"
+    if v.shape[-1] not in BASED_VALUE_DIMS:
+        return f"the Based kernel supports value dim (v's last axis) in {BASED_VALUE_DIMS}, got {v.shape[-1]}"
+    batch, seq_len, heads = q.shape[0], q.shape[1], q.shape[2]
+    if seq_len < 1:
+        return "the Based kernel needs at least one token"
+    if batch > _GRID_LIMIT or heads > _GRID_LIMIT:
+        return f"the Based kernel supports batch and heads up to {_GRID_LIMIT}, got {batch} and {heads}"
+    return None
+
+
+def based_fwd(q, k, v, s0, z0, *, normalize: bool, eps: float):
+    """(y, S, z) from the Based forward kernel.
+
+    q, k [B, T, H, 16], v [B, T, H, Dv], initial state s0 [B, H, 273, Dv] and z0 [B, H, 273]
+    (float32; zeros for none). Returns y [B, T, H, Dv] in v's dtype and the final state
+    S [B, H, 273, Dv], z [B, H, 273] (float32). Under vmap, extra leading axes fold into the
+    batch in C++.
+    """
+    out_types = (
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct(s0.shape, jnp.float32),
+        jax.ShapeDtypeStruct(z0.shape, jnp.float32),
+    )
+    call = jax.ffi.ffi_call("tk_based_fwd", out_types, vmap_method="broadcast_all")
+    return call(q, k, v, s0.astype(jnp.float32), z0.astype(jnp.float32),
+                normalize=np.int64(1 if normalize else 0), eps=np.float32(eps))

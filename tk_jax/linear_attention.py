@@ -4,9 +4,10 @@
     y, (S, z) = based_linear_attention(q, k, v, return_state=True)       # prefill
     y_t, (S, z) = based_decode_step(q_t, k_t, v_t, (S, z))               # then one token at a time
 
-The math is documented in tk_jax/reference/based.py. Compiled Based kernels are not built yet:
-`based_fwd_impl` / `based_bwd_impl` below are where they plug in; until then every call runs
-the pure-JAX reference (backend="kernel" raises a ValueError saying why).
+The math is documented in tk_jax/reference/based.py. On a Hopper GPU the forward runs the
+compiled kernel for supported inputs (bf16/fp16, value dim 64 or 128); the backward always
+recomputes the forward with the pure-JAX reference (there is no backward kernel yet).
+`based_fwd_impl` / `based_bwd_impl` below are the dispatch points.
 """
 from __future__ import annotations
 
@@ -40,16 +41,26 @@ class BasedState(NamedTuple):
 
 def _based_kernel_unsupported(q, k, v, *, normalize, initial_state) -> str | None:
     """Why the kernel cannot run these inputs (a sentence), or None when it can.
+    The kernel takes every option (normalize, eps, initial_state); only shapes/dtypes limit it."""
+    from tk_jax import _kernels
 
-    When the kernel lands, return None for the shapes/dtypes/options it handles."""
-    return "Based kernels are not built yet"
+    return _kernels.based_kernel_unsupported(q, k, v)
 
 
 def based_fwd_impl(q, k, v, initial_state, *, normalize, eps, backend):
     """Forward. Returns ((y, (S, z)), residuals for based_bwd_impl)."""
     if backend == "kernel":
-        # Plug the kernel in here, e.g. y, S, z = _kernels.based_fwd(q, k, v, ...).
-        raise NotImplementedError("Based kernels are not built yet")
+        from tk_jax import _kernels
+
+        batch, _, heads, value_dim = v.shape
+        if initial_state is None:  # the kernel always starts from a state: zeros here
+            # zeros_like(v): under shard_map the zeros then vary over devices like the inputs.
+            s0 = jnp.zeros_like(v, jnp.float32, shape=(batch, heads, NUM_FEATURES, value_dim))
+            z0 = jnp.zeros_like(v, jnp.float32, shape=(batch, heads, NUM_FEATURES))
+        else:
+            s0, z0 = initial_state
+        y, s, z = _kernels.based_fwd(q, k, v, s0, z0, normalize=normalize, eps=eps)
+        return (y, (s, z)), (q, k, v, initial_state)
     outputs = reference.based_forward(q, k, v, normalize=normalize, eps=eps,
                                       initial_state=initial_state)
     # The reference backward recomputes the forward from the inputs: only the inputs are kept
@@ -58,10 +69,9 @@ def based_fwd_impl(q, k, v, initial_state, *, normalize, eps, backend):
 
 
 def based_bwd_impl(residuals, cotangents, *, normalize, eps, backend):
-    """Backward. cotangents = (dy, (dS, dz)); returns (dq, dk, dv, d_initial_state)."""
-    if backend == "kernel":
-        # Plug the kernel in here.
-        raise NotImplementedError("Based kernels are not built yet")
+    """Backward. cotangents = (dy, (dS, dz)); returns (dq, dk, dv, d_initial_state).
+    Both backends recompute the forward with the reference (no backward kernel yet)."""
+    del backend
     q, k, v, initial_state = residuals
 
     def forward(q, k, v, initial_state):

@@ -1,0 +1,110 @@
+// XLA FFI handler for the Based linear attention forward: decode the buffers, check them, call
+// the launcher.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "../kernels/based/based.h"
+#include "ffi_util.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using tk::ffi_util::leading_product;
+using tk::ffi_util::shape_str;
+
+namespace {
+
+ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument("tk_based_fwd: " + msg); }
+
+// dims == the first `num_lead` dims of q (the folded batch) followed by `tail`.
+bool has_shape(ffi::Span<const int64_t> dims, ffi::Span<const int64_t> q_dims, size_t num_lead,
+               std::initializer_list<int64_t> tail) {
+  if (dims.size() != num_lead + tail.size()) return false;
+  for (size_t i = 0; i < num_lead; i++)
+    if (dims[i] != q_dims[i]) return false;
+  size_t i = num_lead;
+  for (int64_t t : tail)
+    if (dims[i++] != t) return false;
+  return true;
+}
+
+// Inputs q, k [..., T, H, 16], v [..., T, H, Dv], S0 [..., H, 273, Dv] f32, z0 [..., H, 273] f32
+// (leading dims, e.g. from vmap, fold into the batch); outputs y like v, S like S0, z like z0.
+ffi::Error BasedForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::Buffer<ffi::F32> state0, ffi::Buffer<ffi::F32> z0, ffi::Result<ffi::AnyBuffer> y,
+                        ffi::Result<ffi::Buffer<ffi::F32>> state, ffi::Result<ffi::Buffer<ffi::F32>> z,
+                        int64_t normalize, float eps) {
+  using tk::based::FEATURE_DIM;
+  using tk::based::NUM_FEATURES;
+  const auto qd = q.dimensions(), vd = v.dimensions();
+  if (qd.size() < 4) return invalid("q must have rank >= 4 ([..., T, H, 16]), got " + shape_str(q));
+  const size_t r = qd.size();
+  const size_t lead = r - 3;  // leading dims, folded into the batch
+  const int64_t seq = qd[r - 3], heads = qd[r - 2];
+  if (qd[r - 1] != FEATURE_DIM) return invalid("q must have feature dim 16, got " + shape_str(q));
+  if (!has_shape(k.dimensions(), qd, lead, {seq, heads, FEATURE_DIM}))
+    return invalid("k must have q's shape, got q " + shape_str(q) + ", k " + shape_str(k));
+  if (vd.size() != r || !has_shape(vd, qd, lead, {seq, heads, vd[r - 1]}))
+    return invalid("v must be [..., T, H, Dv] with q's [..., T, H], got q " + shape_str(q) + ", v " + shape_str(v));
+  const int64_t value_dim = vd[r - 1];
+
+  const auto dtype = q.element_type();
+  if (dtype != ffi::BF16 && dtype != ffi::F16) return invalid("q must be bf16 or fp16");
+  if (k.element_type() != dtype || v.element_type() != dtype || y->element_type() != dtype)
+    return invalid("q, k, v and y must share one dtype");
+  if (!has_shape(y->dimensions(), qd, lead, {seq, heads, value_dim})) return invalid("y must have v's shape");
+  if (!has_shape(state0.dimensions(), qd, lead, {heads, NUM_FEATURES, value_dim}) ||
+      !has_shape(state->dimensions(), qd, lead, {heads, NUM_FEATURES, value_dim}))
+    return invalid("S0 and S must be [..., H, 273, Dv] with the leading dims of q");
+  if (!has_shape(z0.dimensions(), qd, lead, {heads, NUM_FEATURES}) ||
+      !has_shape(z->dimensions(), qd, lead, {heads, NUM_FEATURES}))
+    return invalid("z0 and z must be [..., H, 273] with the leading dims of q");
+
+  const int64_t batch = leading_product(qd, 3);
+  if (batch > INT32_MAX || seq > INT32_MAX || heads > INT32_MAX || value_dim > INT32_MAX)
+    return invalid("dimensions too large");
+  if (normalize != 0 && normalize != 1) return invalid("normalize must be 0 or 1, got " + std::to_string(normalize));
+  if (!(std::isfinite(eps) && eps >= 0.f)) return invalid("eps must be finite and >= 0");
+
+  tk::based::ForwardParams p{};
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.state0 = state0.typed_data();
+  p.z0 = z0.typed_data();
+  p.y = y->untyped_data();
+  p.state = state->typed_data();
+  p.z = z->typed_data();
+  p.batch = int(batch);
+  p.seq = int(seq);
+  p.heads = int(heads);
+  p.value_dim = int(value_dim);
+  p.normalize = normalize == 1;
+  p.eps = eps;
+  p.dtype = dtype == ffi::BF16 ? tk::based::DType::bf16 : tk::based::DType::fp16;
+  if (const char* why = tk::based::forward_unsupported(p)) return invalid(why);
+
+  const cudaError_t err = tk::based::forward(p, stream);
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("tk_based_fwd launch: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_fwd, BasedForward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k
+                                  .Arg<ffi::AnyBuffer>()          // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // S0
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // z0
+                                  .Ret<ffi::AnyBuffer>()          // y
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // S
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // z
+                                  .Attr<int64_t>("normalize")     // 0 or 1
+                                  .Attr<float>("eps"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,23 @@
+// Checks and dispatch for the Based forward launcher.
+#include <cmath>
+
+#include "based.h"
+#include "forward_kernel.cuh"
+
+namespace tk::based {
+
+const char* forward_unsupported(const ForwardParams& p) {
+  if (!p.q || !p.k || !p.v || !p.state0 || !p.z0 || !p.y || !p.state || !p.z) return "a buffer pointer is null";
+  if (p.batch < 1 || p.seq < 1 || p.heads < 1) return "batch, sequence length and heads must be >= 1";
+  if (p.value_dim != 64 && p.value_dim != 128) return "value_dim (v's last axis) must be 64 or 128";
+  if (p.batch > 65535 || p.heads > 65535) return "batch and heads must be <= 65535 (grid limits)";
+  if (!(std::isfinite(p.eps) && p.eps >= 0.f)) return "eps must be finite and >= 0";
+  return nullptr;
+}
+
+cudaError_t forward(const ForwardParams& p, cudaStream_t stream) {
+  if (forward_unsupported(p)) return cudaErrorInvalidValue;
+  return p.dtype == DType::bf16 ? launch_forward<bf16>(p, stream) : launch_forward<half>(p, stream);
+}
+
+}  // namespace tk::based

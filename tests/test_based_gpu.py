@@ -1,0 +1,227 @@
+"""The Based forward kernel against a float64 naive on the GPU: fresh random inputs, lengths that
+are not multiples of the 64-token chunk, outputs poisoned before each launch, both dtypes, both
+value dims, with and without normalisation and initial state; then the public API on the
+kernel backend (jit, vmap, grad through the reference backward)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tk_jax
+from gpu_util import poison_device_memory, rel_l2
+
+D = 16     # q/k feature dim
+F = 273    # Taylor features: 1 + 16 + 16 * 16
+
+
+# ------------------------------------------------------------------ float64 naive (test oracle)
+
+def feature_map(x):
+    """[..., 16] -> [..., 273]: 1, x / 16^(1/4), vec(x x^T) / (sqrt(2) sqrt(16))."""
+    pairs = (x[..., :, None] * x[..., None, :]).reshape(x.shape[:-1] + (D * D,))
+    return np.concatenate([np.ones(x.shape[:-1] + (1,)), x / D**0.25, pairs / math.sqrt(2 * D)], axis=-1)
+
+
+def naive_based(q, k, v, s0, z0, *, normalize, eps):
+    """Quadratic causal Based in float64. q, k [B,T,H,16], v [B,T,H,Dv], s0 [B,H,273,Dv] or None,
+    z0 [B,H,273] or None -> y [B,T,H,Dv], S [B,H,273,Dv], z [B,H,273]."""
+    q, k, v = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v))  # [B, H, T, X]
+    s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(D)
+    weights = np.tril(1 + s + s * s / 2)              # [B, H, T, T], keys j <= t only
+    num = weights @ v
+    den = weights.sum(-1)
+    phi_k = feature_map(k)
+    state = phi_k.transpose(0, 1, 3, 2) @ v           # [B, H, 273, Dv]
+    z = phi_k.sum(-2)                                 # [B, H, 273]
+    if s0 is not None:
+        s0, z0 = np.asarray(s0, np.float64), np.asarray(z0, np.float64)
+        phi_q = feature_map(q)
+        num = num + phi_q @ s0
+        den = den + (phi_q @ z0[..., None])[..., 0]
+        state, z = state + s0, z + z0
+    y = num / (den[..., None] + eps) if normalize else num
+    return y.transpose(0, 2, 1, 3), state, z
+
+
+def random_inputs(rng, b, t, h, dv, dtype):
+    q = rng.standard_normal((b, t, h, D)).astype(dtype)
+    k = rng.standard_normal((b, t, h, D)).astype(dtype)
+    v = rng.standard_normal((b, t, h, dv)).astype(dtype)
+    return q, k, v
+
+
+def random_state(rng, b, h, dv, tokens=40):
+    """A state that earlier tokens could have left (so the normaliser stays positive)."""
+    k = rng.standard_normal((b, h, tokens, D))
+    v = rng.standard_normal((b, h, tokens, dv))
+    phi_k = feature_map(k)
+    return ((phi_k.transpose(0, 1, 3, 2) @ v).astype(np.float32), phi_k.sum(-2).astype(np.float32))
+
+
+def _as64(x):
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+def kernel_forward(q, k, v, s0, z0, *, normalize, eps=1e-6):
+    """One launch of the raw kernel wrapper, into poisoned memory."""
+    from tk_jax import _kernels
+
+    fn = jax.jit(lambda *xs: _kernels.based_fwd(*xs, normalize=normalize, eps=eps))
+    out_bytes = 2 * v.size * v.dtype.itemsize + 4 * (s0.size + z0.size)
+    poison_device_memory(2 * out_bytes)
+    y, state, z = fn(*(jnp.asarray(x) for x in (q, k, v, s0, z0)))
+    return _as64(y), _as64(state), _as64(z)
+
+
+def check_outputs(y, state, z, y_ref, state_ref, z_ref):
+    assert np.isfinite(y).all(), "y has NaN/inf (unwritten rows?)"
+    assert np.isfinite(state).all() and np.isfinite(z).all(), "state has NaN/inf (unwritten entries?)"
+    assert rel_l2(y, y_ref) < 1e-2, ("y", rel_l2(y, y_ref))
+    # Every row on its own too: a wrong tail row of a long sequence would vanish in the global
+    # norm. (Rounding gives ~4e-3 per row at most.)
+    row_err = np.linalg.norm(y - y_ref, axis=-1) / np.maximum(np.linalg.norm(y_ref, axis=-1), 1e-6)
+    worst = np.unravel_index(np.argmax(row_err), row_err.shape)
+    assert row_err.max() < 3e-2, ("worst row (b, t, h)", worst, row_err.max())
+    assert rel_l2(state, state_ref) < 1e-2, ("S", rel_l2(state, state_ref))
+    # z is summed exactly in fp32 from the keys (K^T K, colsum K, token count).
+    assert rel_l2(z, z_ref) < 1e-4, ("z", rel_l2(z, z_ref))
+
+
+# ------------------------------------------------------------------ the kernel itself
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dv", [64, 128])
+@pytest.mark.parametrize("t", [1, 15, 64, 65, 1000, 4097])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_forward_matches_naive(hopper, rng, dtype, dv, t, normalize, with_state):
+    b, h = (2, 3) if t <= 1000 else (1, 2)
+    q, k, v = random_inputs(rng, b, t, h, dv, dtype)
+    if with_state:
+        s0, z0 = random_state(rng, b, h, dv)
+    else:
+        s0, z0 = np.zeros((b, h, F, dv), np.float32), np.zeros((b, h, F), np.float32)
+    y, state, z = kernel_forward(q, k, v, s0, z0, normalize=normalize)
+    refs = naive_based(_as64(q), _as64(k), _as64(v), s0 if with_state else None, z0 if with_state else None,
+                       normalize=normalize, eps=1e-6)
+    check_outputs(y, state, z, *refs)
+
+
+@pytest.mark.gpu
+def test_forward_large_eps_and_many_heads(hopper, rng):
+    """eps reaches the kernel (a large eps changes y visibly), and heads > batch blocks work."""
+    q, k, v = random_inputs(rng, 1, 200, 17, 64, jnp.bfloat16)
+    s0, z0 = np.zeros((1, 17, F, 64), np.float32), np.zeros((1, 17, F), np.float32)
+    y, state, z = kernel_forward(q, k, v, s0, z0, normalize=True, eps=50.0)
+    check_outputs(y, state, z, *naive_based(_as64(q), _as64(k), _as64(v), None, None, normalize=True, eps=50.0))
+
+
+@pytest.mark.gpu
+def test_forward_is_deterministic(hopper, rng):
+    q, k, v = random_inputs(rng, 2, 1000, 2, 128, jnp.bfloat16)
+    s0, z0 = random_state(rng, 2, 2, 128)
+    first = kernel_forward(q, k, v, s0, z0, normalize=True)
+    second = kernel_forward(q, k, v, s0, z0, normalize=True)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_forward_state_continues_across_calls(hopper, rng):
+    """Prefill in two kernel calls (the second starting from the first's state) equals one call."""
+    q, k, v = random_inputs(rng, 1, 300, 2, 64, jnp.float16)
+    zeros = np.zeros((1, 2, F, 64), np.float32), np.zeros((1, 2, F), np.float32)
+    y1, s1, z1 = kernel_forward(q[:, :130], k[:, :130], v[:, :130], *zeros, normalize=True)
+    y2, s2, z2 = kernel_forward(q[:, 130:], k[:, 130:], v[:, 130:], s1.astype(np.float32), z1.astype(np.float32),
+                                normalize=True)
+    y_ref, s_ref, z_ref = naive_based(_as64(q), _as64(k), _as64(v), None, None, normalize=True, eps=1e-6)
+    check_outputs(np.concatenate([y1, y2], axis=1), s2, z2, y_ref, s_ref, z_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", ["value_dim", "state_shape", "z_shape", "feature_dim"])
+def test_ffi_rejects_bad_input(hopper, what):
+    """The C++ handler checks shapes again and fails the call instead of reading out of bounds."""
+    from tk_jax import _kernels
+
+    b, t, h, dv, d = 1, 10, 2, 64, D
+    s0_shape, z0_shape = (b, h, F, dv), (b, h, F)
+    if what == "value_dim":
+        dv, s0_shape = 96, (b, h, F, 96)
+    elif what == "state_shape":
+        s0_shape = (b, h, F - 1, dv)
+    elif what == "z_shape":
+        z0_shape = (b, h + 1, F)
+    else:
+        d = 32
+    qk = jnp.zeros((b, t, h, d), jnp.bfloat16)
+    v = jnp.zeros((b, t, h, dv), jnp.bfloat16)
+    with pytest.raises(Exception, match="tk_based_fwd"):
+        y, _, _ = _kernels.based_fwd(qk, qk, v, jnp.zeros(s0_shape), jnp.zeros(z0_shape), normalize=True, eps=1e-6)
+        y.block_until_ready()
+
+
+# ------------------------------------------------------------------ the public API on the kernel
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_public_api_kernel_backend(hopper, rng, dtype):
+    b, t, h, dv = 2, 333, 3, 128
+    q, k, v = random_inputs(rng, b, t, h, dv, dtype)
+    s0, z0 = random_state(rng, b, h, dv)
+    run = jax.jit(lambda q, k, v, s0, z0: tk_jax.based_linear_attention(
+        q, k, v, initial_state=(s0, z0), return_state=True, backend="kernel"))
+    poison_device_memory(4 * (v.nbytes + s0.nbytes))
+    y, (state, z) = run(*(jnp.asarray(x) for x in (q, k, v, s0, z0)))
+    assert y.dtype == dtype and y.shape == v.shape
+    refs = naive_based(_as64(q), _as64(k), _as64(v), s0, z0, normalize=True, eps=1e-6)
+    check_outputs(_as64(y), _as64(state), _as64(z), *refs)
+    # "auto" picks the kernel here and gives the same bits.
+    y_auto = jax.jit(lambda q, k, v: tk_jax.based_linear_attention(q, k, v, initial_state=(s0, z0)))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(y_auto, np.float32), np.asarray(y, np.float32))
+
+
+@pytest.mark.gpu
+def test_public_api_kernel_under_vmap_and_grad(hopper, rng):
+    """vmap folds into the kernel's batch; grad runs the reference backward (no kernel yet) and
+    matches the gradient of the reference backend."""
+    q, k, v = random_inputs(rng, 3, 150, 2, 64, jnp.bfloat16)  # the leading axis 3 is vmapped
+    dy = rng.standard_normal(v.shape).astype(np.float32)
+
+    def loss(backend):
+        def f(q, k, v, dy):
+            y = tk_jax.based_linear_attention(q[None], k[None], v[None], backend=backend)[0]
+            return jnp.sum(y.astype(jnp.float32) * dy)
+        return f
+
+    y_vmapped = jax.jit(jax.vmap(lambda q, k, v: tk_jax.based_linear_attention(
+        q[None], k[None], v[None], backend="kernel")[0]))(q, k, v)
+    y_ref, _, _ = naive_based(_as64(q), _as64(k), _as64(v), None, None, normalize=True, eps=1e-6)
+    assert rel_l2(_as64(y_vmapped), y_ref) < 1e-2
+
+    grads = jax.jit(jax.vmap(jax.grad(loss("kernel"), argnums=(0, 1, 2))))(q, k, v, dy)
+    grads_ref = jax.jit(jax.vmap(jax.grad(loss("reference"), argnums=(0, 1, 2))))(q, k, v, dy)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert np.isfinite(_as64(g)).all(), name
+        assert rel_l2(_as64(g), _as64(g_ref)) < 1e-2, (name, rel_l2(_as64(g), _as64(g_ref)))
+
+
+# ------------------------------------------------------------------ which inputs the kernel takes (CPU)
+
+def test_kernel_support_rules():
+    from tk_jax import _kernels
+
+    def why(q_shape, v_dim, dtype=jnp.bfloat16):
+        q = jax.ShapeDtypeStruct(q_shape, dtype)
+        v = jax.ShapeDtypeStruct(q_shape[:-1] + (v_dim,), dtype)
+        return _kernels.based_kernel_unsupported(q, q, v)
+
+    assert why((2, 100, 3, D), 64) is None
+    assert why((2, 1, 3, D), 128, jnp.float16) is None
+    assert "value dim" in why((2, 100, 3, D), 96)
+    assert "bf16 or fp16" in why((2, 100, 3, D), 64, jnp.float32)
+    assert "at least one token" in why((2, 0, 3, D), 64)
+    assert "feature dim" in why((2, 100, 3, 32), 64)
