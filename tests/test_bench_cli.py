@@ -13,7 +13,7 @@ import math
 import pytest
 
 import tk_jax.bench as bench
-from tk_jax.bench import attention, based, report, timing
+from tk_jax.bench import attention, based, report, scale, timing
 from tk_jax.bench.__main__ import main, parse_args, parse_int_list
 
 
@@ -263,3 +263,58 @@ def test_tiny_based_run_with_decode(tmp_path):
     assert decode["status"] == "ok", decode
     assert decode["floor_bytes"] == based.decode_floor_bytes(2, 2)
     assert "decode step" in (tmp_path / "based-cpu.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# The scale suite (multi-GPU): its arithmetic and report, from made-up measurements.
+
+def test_scale_suite_ring_pieces_estimate_and_report(capsys):
+    t, n = 64, 4
+    blocks = scale.ring_step_blocks(t, n)
+    assert [(b.count, b.tq, b.tk, b.causal) for b in blocks] == [(1, 16, 16, True),
+                                                                  (3, 16, 8, False)]
+    # n devices together cover the causal half of the T x T (query, key) pairs.
+    assert n * sum(b.count * b.tq * b.tk * (0.5 if b.causal else 1) for b in blocks) == t * t / 2
+    assert scale.ring_transfers(n) == (6, 4)
+    assert scale.hidden_comm(ring_ms=10.0, compute_ms=9.0, comm_ms=4.0) == \
+        {"overhead_ms": 1.0, "hidden_ms": 3.0, "hidden_fraction": 0.75}
+    assert scale.hidden_comm(10.0, 11.0, 4.0)["hidden_fraction"] == 1.0  # no overhead at all
+    assert scale.hidden_comm(10.0, 2.0, 4.0)["hidden_fraction"] == 0.0   # overhead > comm
+    assert scale.device_counts(1) == [1] and scale.device_counts(2) == [1, 2]
+    assert scale.collectives("x = all-reduce-start(y) z = collective-permute-done(w)") == \
+        ["all-reduce", "collective-permute"]
+
+    def result(part, name, devices, ms=None, status="ok", reason="", **fields):
+        config = {"part": part, "name": name, "devices": devices, **fields}
+        return {"config": config, "contender": name, "status": status, "reason": reason,
+                "median_ms": ms, "metrics": {"collectives": []}}
+
+    ring_t = 128
+    results = [
+        result(scale.ATTENTION, scale.SHARDED_ATTENTION, 1, 10.0),
+        result(scale.ATTENTION, scale.SHARDED_ATTENTION, 2, 5.0),
+        result(scale.LM, scale.LM_STEP, 1, status="error",
+               reason="XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory"),
+        result(scale.RING, scale.FLASH_WHOLE, 1, 8.0, t=ring_t),
+        result(scale.RING, scale.RING_ATTENTION, 2, 5.0, t=ring_t),
+        result(scale.RING, scale.STEP_DIAGONAL, 1, 1.0, t=ring_t),
+        result(scale.RING, scale.STEP_OFF_DIAGONAL, 1, 3.0, t=ring_t),  # x (2-1): sum 4 ms
+        result(scale.RING, scale.SEND_KV, 2, 0.5, t=ring_t),            # x 2(2-1)
+        result(scale.RING, scale.SEND_DKV, 2, 1.0, t=ring_t),           # x 2: comm 3 ms
+    ]
+    text = scale.scale_report(results, 2, scale.TINY, (ring_t,))
+    lines = text.splitlines()
+    attention_2 = next(line for line in lines if line.startswith("| 2 ") and "none" in line)
+    assert "| 5.00 " in attention_2 and "2.00x" in attention_2 and "100%" in attention_2
+    lm_1 = next(line for line in lines if "OOM [1]" in line)
+    assert lm_1.startswith("| 1 ")
+    assert "RESOURCE_EXHAUSTED" in text.split("Notes:")[1]
+    ring_row = next(line for line in lines if line.startswith(f"| {ring_t} "))
+    # speedup 8/5; sum of steps 1 + 3 = 4; overhead 5 - 4 = 1; comm 2*0.5 + 2*1 = 3;
+    # hidden (3 - 1) / 3 = 67%.
+    cells = [c.strip() for c in ring_row.strip("|").split("|")]
+    assert cells[3] == "1.60x" and cells[6:] == ["4.00", "1.00", "3.00", "67%"], cells
+
+    assert main(["scale", "--tiny", "--dry-run"]) == 0
+    assert "ring_attention" in capsys.readouterr().out
+

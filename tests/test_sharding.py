@@ -24,6 +24,7 @@ import tk_jax
 import tk_jax._backend
 from tk_jax import sharding
 from tk_jax.reference.attention import attention_backward, attention_forward
+from tk_jax.reference.based import based_forward
 
 try:  # tests/ as a package, or tests/ on sys.path
     from tests.naive import relative_l2
@@ -93,10 +94,16 @@ def kernel_path(monkeypatch):
                                    window_right=window_right, dlse=dlse)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
 
+    def based_fwd(q, k, v, s0, z0, *, normalize, eps):
+        y, (s, z) = based_forward(q, k, v, normalize=normalize, eps=eps, initial_state=(s0, z0))
+        return y, s, z
+
     module = types.ModuleType("tk_jax._kernels")
     module.attention_fwd = attention_fwd
     module.attention_bwd = attention_bwd
     module.attention_kernel_unsupported = lambda q, k, v: None
+    module.based_fwd = based_fwd
+    module.based_kernel_unsupported = lambda q, k, v: None
     monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
     monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)
     monkeypatch.setattr(tk_jax, "_kernels", module, raising=False)
@@ -175,13 +182,16 @@ def test_sequence_sharding_is_correct_and_warns_once(request, rng, path):
     assert_all_close(result, expected)
 
 
-def test_based_reference_sharded_jit_has_no_collectives(rng):
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_based_sharded_jit_has_no_collectives(request, rng, path):
+    if path == "kernel":
+        request.getfixturevalue("kernel_path")
     mesh = mesh_of((2, 4), ("data", "model"))
     q, k, v = random_arrays(rng, (4, 8, 8, 16), (4, 8, 8, 16), (4, 8, 8, 4))
     spec = NamedSharding(mesh, P("data", None, "model"))
 
     def output_and_grad(q, k, v):
-        attend = functools.partial(tk_jax.based_linear_attention, backend="reference")
+        attend = functools.partial(tk_jax.based_linear_attention, backend=path)
         return attend(q, k, v), jax.grad(lambda q: jnp.sum(attend(q, k, v) ** 2))(q)
 
     args = [jax.device_put(x, spec) for x in (q, k, v)]
@@ -293,7 +303,18 @@ def test_ring_attention_matches_flash_attention(rng, causal, load_balanced, devi
     assert_all_close(run_in_layout(compiled, load_balanced, devices, q, k, v, do), expected)
 
 
-def test_ring_attention_eight_devices_bf16_kernel_path(kernel_path, rng):
+def test_ring_attention_kernel_path_is_refused_until_fixed(kernel_path):
+    """On GPU the ring over the kernel custom calls crashed (see ring_attention): the kernel
+    route must raise a clear error, and "auto" must take the reference."""
+    mesh = mesh_of((2,), ("seq",))
+    q = jnp.ones((1, 8, 2, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="^ring_attention: backend='kernel' is disabled"):
+        jax.eval_shape(ring(mesh, "seq", causal=False, load_balanced=False, backend=kernel_path), q, q, q)
+    jax.eval_shape(ring(mesh, "seq", causal=False, load_balanced=False, backend="auto"), q, q, q)
+
+
+def test_ring_attention_eight_devices_bf16_kernel_path(kernel_path, rng, monkeypatch):
+    monkeypatch.setattr(sharding, "_RING_KERNEL_PATH", True)  # the route itself, with stand-ins
     mesh = mesh_of((8,), ("seq",))
     q, k, v, do = random_arrays(rng, (1, 32, 2, 16), (1, 32, 1, 16), (1, 32, 1, 16),
                                 (1, 32, 2, 16), dtype=jnp.bfloat16)

@@ -50,7 +50,7 @@ def _based_kernel_unsupported(q, k, v, *, normalize, initial_state) -> str | Non
 def based_fwd_impl(q, k, v, initial_state, *, normalize, eps, backend):
     """Forward. Returns ((y, (S, z)), residuals for based_bwd_impl)."""
     if backend == "kernel":
-        from tk_jax import _kernels
+        from tk_jax import _kernels, sharding
 
         batch, _, heads, value_dim = v.shape
         if initial_state is None:  # the kernel always starts from a state: zeros here
@@ -59,7 +59,9 @@ def based_fwd_impl(q, k, v, initial_state, *, normalize, eps, backend):
             z0 = jnp.zeros_like(v, jnp.float32, shape=(batch, heads, NUM_FEATURES))
         else:
             s0, z0 = initial_state
-        y, s, z = _kernels.based_fwd(q, k, v, s0, z0, normalize=normalize, eps=eps)
+        # The partitioning rule lets a sharded jit run the kernel per (batch, head) shard.
+        kernel = sharding.partitioned_based_fwd(_kernels.based_fwd)
+        y, s, z = kernel(q, k, v, s0, z0, normalize=normalize, eps=eps)
         return (y, (s, z)), (q, k, v, initial_state)
     outputs = reference.based_forward(q, k, v, normalize=normalize, eps=eps,
                                       initial_state=initial_state)

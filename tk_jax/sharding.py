@@ -66,6 +66,8 @@ ATTENTION_FWD_LAYOUT = ("b tq hq d, b tk hkv d, b tk hkv e", "b tq hq e, b hq tq
 _BWD_OPERANDS = "b tq hq d, b tk hkv d, b tk hkv e, b tq hq e, b hq tq, b tq hq e"
 ATTENTION_BWD_LAYOUT = (_BWD_OPERANDS, "b tq hq d, b tk hkv d, b tk hkv e")
 ATTENTION_BWD_WITH_DLSE_LAYOUT = (_BWD_OPERANDS + ", b hq tq", ATTENTION_BWD_LAYOUT[1])
+# Based forward: q, k, v, initial S and z -> y, final S and z (f features, n = 273 state rows).
+BASED_FWD_LAYOUT = ("b t hq f, b t hq f, b t hq e, b hq n e, b hq n", "b t hq e, b hq n e, b hq n")
 
 _warned: set[str] = set()
 
@@ -313,6 +315,11 @@ def partitioned_attention_fwd(fn):
     return shard_over_batch_and_heads(fn, *ATTENTION_FWD_LAYOUT)
 
 
+def partitioned_based_fwd(fn):
+    """`fn(q, k, v, s0, z0, *, normalize, eps) -> (y, s, z)` with the batch/head rule."""
+    return shard_over_batch_and_heads(fn, *BASED_FWD_LAYOUT)
+
+
 def partitioned_attention_bwd(fn, *, with_dlse: bool):
     """`fn(q, k, v, o, lse, do[, dlse], *, scale, window_left, window_right) -> (dq, dk, dv)`
     with the batch/head rule."""
@@ -341,6 +348,9 @@ def partitioned_attention_bwd(fn, *, with_dlse: bool):
 # computed and discarded. Steps are numbered with src < r as "earlier" and src > r as "later".
 
 RING_OP = "ring_attention"
+# Whether ring attention may call the kernels (see ring_attention). Tests on CPU switch it on
+# to exercise the kernel route with reference stand-ins.
+_RING_KERNEL_PATH = False
 _DIAGONAL, _EARLIER, _LATER = 0, 1, 2
 
 
@@ -388,7 +398,15 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None, back
 
     batch_shape = q.shape[:-3]
     q4, k4, v4 = (attention._fold_batch_dims(x) for x in (q, k, v))
-    resolved = attention.choose_backend(q4, k4, v4, backend, op=RING_OP)
+    # The kernel path is switched off: on 2 H100/H200 GPUs (jax 0.11.2) a ring over the kernel
+    # custom calls crashed the process (segfault while compiling or running), with or without
+    # the partitioning rule and command buffers. Until that is understood, ring attention runs
+    # the reference blocks; backend="kernel" says so instead of crashing.
+    resolved = attention.choose_backend(q4, k4, v4, "reference" if backend == "auto" else backend,
+                                        op=RING_OP)
+    if resolved == "kernel" and not _RING_KERNEL_PATH:
+        raise ValueError(f"{RING_OP}: backend='kernel' is disabled for ring attention: it crashed "
+                         f"on GPU (see tk_jax/sharding.py); use backend='reference' or 'auto'")
     o = _ring(q4, k4, v4, axis_name, scale, bool(causal), balanced, resolved)
     return o.reshape(batch_shape + o.shape[1:])
 

@@ -159,8 +159,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_bwd, AttentionBackward,
                                   .Ret<ffi::AnyBuffer>()            // dv
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("window_right"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_fwd, AttentionForward,
                               ffi::Ffi::Bind()
@@ -173,5 +172,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_fwd, AttentionForward,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window_left")
                                   .Attr<int64_t>("window_right")
-                                  .Attr<int64_t>("variant"),  // 0: TMA + wgmma, 1: mma.sync
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("variant"));  // 0: TMA + wgmma, 1: mma.sync

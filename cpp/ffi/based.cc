@@ -106,5 +106,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_fwd, BasedForward,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // S
                                   .Ret<ffi::Buffer<ffi::F32>>()   // z
                                   .Attr<int64_t>("normalize")     // 0 or 1
-                                  .Attr<float>("eps"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<float>("eps"));

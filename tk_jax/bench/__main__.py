@@ -1,4 +1,4 @@
-"""Command line: `python -m tk_jax.bench attention|based|all [options]`.
+"""Command line: `python -m tk_jax.bench attention|based|all|scale [options]`.
 
 Examples:
     python -m tk_jax.bench --list                      # which contenders can run here
@@ -6,6 +6,7 @@ Examples:
     python -m tk_jax.bench attention --d 128 --t 4k,16k --causal yes
     python -m tk_jax.bench based --fwd-only
     python -m tk_jax.bench all --dry-run               # print the plan, run nothing
+    python -m tk_jax.bench scale                       # 1 vs all visible GPUs (see scale.py)
 
 Results go to <out>/<suite>-<card>.json (rewritten after every measurement, so a run cut
 short keeps what it measured), <suite>-<card>.md and <suite>-<card>.png.
@@ -22,7 +23,7 @@ from typing import Any, Callable
 
 from tk_jax.bench import (OK, Contender, Outcome, distribution_version, run_grid, run_one,
                           short_error)
-from tk_jax.bench import attention, based, report, timing
+from tk_jax.bench import attention, based, report, scale, timing
 
 DEFAULT_OUT = os.path.join("bench", "results")
 
@@ -72,7 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Peers (cuDNN, FlashAttention-3, XLA, fla) are optional: whatever cannot run "
                "is reported in the table and the run goes on.")
-    parser.add_argument("suite", nargs="?", default="all", choices=["attention", "based", "all"])
+    parser.add_argument("suite", nargs="?", default="all",
+                        choices=["attention", "based", "all", "scale"],
+                        help="all = attention + based; scale = multi-GPU scaling (its own "
+                             "sizes; --t sets its ring-attention lengths)")
     parser.add_argument("--list", "--peers-only", dest="list", action="store_true",
                         help="show the contenders, whether they can run here, and exit")
     parser.add_argument("--dry-run", action="store_true",
@@ -362,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     args = parse_args(argv)
     args.command = " ".join(["python -m tk_jax.bench"] + (sys.argv[1:] if argv is None else argv))
+    if args.suite == "scale":  # one device against all visible devices: its own runner
+        environment = describe_environment(measure_overhead=not (args.list or args.dry_run))
+        return scale.run_suite(args, environment, card_name(args))
     suites = ["attention", "based"] if args.suite == "all" else [args.suite]
     plans = [attention_plan(args) if s == "attention" else based_plan(args) for s in suites]
     if args.contenders:

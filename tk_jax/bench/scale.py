@@ -1,0 +1,653 @@
+"""Multi-device scaling: `python -m tk_jax.bench scale`.
+
+Compares one device with all N visible devices (N = len(jax.devices()); with one device only
+the one-device numbers are measured, and the report says so):
+
+  1. attention  flash_attention fwd+bwd (causal, D=128, T=4096, global batch 16 x 16 heads):
+                the whole batch on one device, then a batch-sharded jit on N devices (the
+                partitioning rule of tk_jax/sharding.py splits the kernel calls; no collective
+                is expected, and the compiled program's collectives are reported).
+  2. lm         a data-parallel training step of a small BasedLM (tk_jax.nn) with optax adamw:
+                global batch sharded over the devices, parameters replicated, jit with
+                shardings (only the gradient all-reduce is expected). Tokens per second.
+  3. ring       ring attention (causal, load-balanced, D=128, H=8, B=1, T = 32k and 64k)
+                fwd+bwd on N devices, against flash_attention over the whole sequence on one
+                device; plus the pieces it is made of, each timed alone (one ring step's
+                attention on one device, one ring transfer), to estimate how much of the
+                communication the ring hides behind its computation.
+
+Every measurement goes through bench.run_one (median of timed repeats after warm-up, with
+block_until_ready), so a failure (OOM, a kernel that cannot run) is recorded in the table and
+the run goes on. Inputs are random normal bf16 (never zeros). Results: <out>/scale-<card>.json
+(rewritten after every measurement) and <out>/scale-<card>.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import os
+import re
+import time
+from typing import Callable
+
+from tk_jax.bench import (OK, OURS, Contender, Skipped, Unsupported, random_normal_sets,
+                          run_one)
+from tk_jax.bench import report
+from tk_jax.bench.attention import AttentionConfig, attention_flops
+from tk_jax.bench.timing import JaxClock, Runner
+
+SUITE = "scale"
+ATTENTION, LM, RING = "attention", "lm", "ring"
+
+# Names of the measurements (the "name" field of each result's config).
+SHARDED_ATTENTION = "flash_attention, batch-sharded jit"
+LM_STEP = "BasedLM train step, data-parallel jit"
+FLASH_WHOLE = "flash_attention, whole sequence"
+RING_ATTENTION = "ring_attention, sequence-sharded"
+STEP_DIAGONAL = "ring step alone: diagonal block"
+STEP_OFF_DIAGONAL = "ring step alone: off-diagonal block"
+SEND_KV = "ring transfer alone: K,V (bf16)"
+SEND_DKV = "ring transfer alone: dK,dV (f32)"
+
+COLLECTIVES = re.compile(r"\b(all-gather|all-to-all|all-reduce|collective-permute|"
+                         r"reduce-scatter)(-start)?\b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Problem sizes of the three parts."""
+
+    # 1. batch-sharded attention
+    attn_batch: int = 16
+    attn_heads: int = 16
+    attn_t: int = 4096
+    attn_d: int = 128
+    # 2. data-parallel BasedLM: "swa" puts one sliding-window attention layer (the attention
+    # kernel under the batch-sharded jit) between the Based layers.
+    lm_batch: int = 32
+    lm_seq: int = 1024
+    lm_vocab: int = 4096
+    lm_d_model: int = 256
+    lm_layers: tuple = ("conv", "based", "swa", "based")
+    lm_heads: int = 4            # Based and sliding-window heads (head dim d_model / heads)
+    lm_window: int = 128
+    # 3. ring attention
+    ring_t: tuple = (32768, 65536)
+    ring_batch: int = 1
+    ring_heads: int = 8
+    ring_d: int = 128
+
+
+FULL = Sizes()
+# Toy shapes that run in seconds on CPU host devices (a smoke test of the code paths only).
+TINY = Sizes(attn_batch=8, attn_heads=2, attn_t=64, attn_d=32, lm_batch=8, lm_seq=32,
+             lm_vocab=64, lm_d_model=32, lm_heads=2, lm_window=8, ring_t=(128,), ring_heads=2,
+             ring_d=32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers (no device): the ring's pieces and the overlap estimate.
+
+@dataclasses.dataclass(frozen=True)
+class RingBlock:
+    """One kind of attention block a device computes in the ring: `count` of them per pass."""
+
+    name: str
+    count: int
+    tq: int
+    tk: int
+    causal: bool
+
+
+def ring_step_blocks(t: int, n: int) -> list[RingBlock]:
+    """The blocks one device computes in causal load-balanced ring attention over `n` devices
+    (see tk_jax/sharding.py): step 0 is its own block of t/n positions under the causal mask;
+    each of the n-1 other steps is unmasked work of (t/n) x (t/2n) pairs (all local queries
+    against the first half of the visiting keys, or the second half of the queries against
+    all of them: the same work; the first shape is the one timed)."""
+    local = t // n
+    return [RingBlock(STEP_DIAGONAL, 1, local, local, True),
+            RingBlock(STEP_OFF_DIAGONAL, n - 1, local, local // 2, False)]
+
+
+def ring_transfers(n: int) -> tuple[int, int]:
+    """(K,V sends, dK,dV sends) per device in one fwd+bwd of ring attention: the forward and
+    the backward ring each pass K,V on n-1 times; the backward passes dK,dV on n times (the
+    last hop brings them home)."""
+    return 2 * (n - 1), n
+
+
+def hidden_comm(ring_ms: float, compute_ms: float, comm_ms: float) -> dict:
+    """How much of the communication the ring hides, from three times:
+
+    ring_ms     the ring's fwd+bwd
+    compute_ms  the sum of its attention steps, each timed alone on one device
+    comm_ms     the sum of its transfers, each timed alone
+
+    overhead = ring_ms - compute_ms holds the exposed communication plus the merges and other
+    bookkeeping; so hidden = comm_ms - max(overhead, 0), clipped to [0, comm_ms], is a lower
+    bound on the communication time hidden behind computation.
+    """
+    overhead = ring_ms - compute_ms
+    hidden = min(max(comm_ms - max(overhead, 0.0), 0.0), comm_ms)
+    return {"overhead_ms": overhead, "hidden_ms": hidden,
+            "hidden_fraction": hidden / comm_ms if comm_ms > 0 else None}
+
+
+def collectives(hlo_text: str) -> list[str]:
+    """Collective operations named in a compiled program's text, sorted."""
+    return sorted({m.group(1) for m in COLLECTIVES.finditer(hlo_text)})
+
+
+def device_counts(num_visible: int) -> list[int]:
+    """[1, N], or [1] when only one device is visible."""
+    return [1] if num_visible <= 1 else [1, num_visible]
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the timed calls. Each `prepare_*(extra, **options)` returns a bench Runner, or raises
+# Skipped / Unsupported; `extra` (a dict) receives facts to report next to the time.
+
+def _mesh(devices, axis: str):
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(devices), (axis,))
+
+
+def _random_on_mesh(shapes, mesh, specs, *, seed: int, dtype: str = "bfloat16") -> tuple:
+    """Random normal arrays (drawn on the default device), placed on `mesh` with `specs`."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    arrays = random_normal_sets(shapes, 1, seed=seed, dtype=dtype)[0]
+    return tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(arrays, specs))
+
+
+def _fwd_bwd(attend: Callable) -> Callable:
+    """attend(q, k, v) -> o  to  step(q, k, v, do) -> (o, (dq, dk, dv))."""
+    import jax
+
+    def step(q, k, v, do):
+        o, pullback = jax.vjp(attend, q, k, v)
+        return o, pullback(do)
+    return step
+
+
+def _compile(fn, args, extra: dict, **jit_kwargs):
+    """jit(fn) compiled for `args`; the collectives of the compiled program go into extra.
+    A ValueError while tracing is how backend="kernel" declines: reported as unsupported."""
+    import jax
+
+    try:
+        compiled = jax.jit(fn, **jit_kwargs).lower(*args).compile()
+    except ValueError as err:
+        raise Unsupported(str(err)) from None
+    try:
+        extra["collectives"] = collectives(compiled.as_text())
+    except Exception as err:  # the text is a diagnostic only
+        extra["collectives"] = f"unknown ({type(err).__name__})"
+    return compiled
+
+
+def _runner(call: Callable[[int], object], devices) -> Runner:
+    """A Runner of `call`. On CPU host devices each call is waited for: XLA:CPU runs queued
+    multi-device programs on one shared thread pool, and many queued collectives can deadlock
+    there (seen with 2 host devices on 2 cores). CPU timings mean nothing anyway; GPUs queue
+    freely."""
+    if devices[0].platform == "cpu" and len(devices) > 1:
+        import jax
+
+        queued = call
+        call = lambda i: jax.block_until_ready(queued(i))  # noqa: E731
+    return Runner(call=call, n_sets=1, clock=JaxClock())
+
+
+def prepare_flash(extra: dict, *, devices, batch, tq, tk, heads, d, causal, spec_axis, backend,
+                  seed=0) -> Runner:
+    """flash_attention fwd+bwd on [batch, tq|tk, heads, d], split over `devices` along
+    `spec_axis` ("batch", or None for whole arrays on one device)."""
+    import tk_jax
+    from jax.sharding import PartitionSpec as P
+
+    if spec_axis == "batch" and batch % len(devices):
+        raise Skipped(f"batch {batch} is not divisible by {len(devices)} devices")
+    mesh = _mesh(devices, "data")
+    spec = P("data") if spec_axis == "batch" else P()
+    q_shape, kv_shape = (batch, tq, heads, d), (batch, tk, heads, d)
+    args = _random_on_mesh([q_shape, kv_shape, kv_shape, q_shape], mesh, [spec] * 4, seed=seed)
+    attend = functools.partial(tk_jax.flash_attention, causal=causal, backend=backend)
+    compiled = _compile(_fwd_bwd(attend), args, extra)
+    return _runner(lambda i: compiled(*args), devices)
+
+
+def prepare_ring(extra: dict, *, devices, t, sizes: Sizes, backend, seed=0) -> Runner:
+    """Causal load-balanced ring_attention fwd+bwd, the sequence split over `devices`. The
+    inputs are random, so they count as already being in the load-balanced layout."""
+    import tk_jax
+    from jax.sharding import PartitionSpec as P
+    from tk_jax import sharding
+
+    n = len(devices)
+    if n < 2:
+        raise Skipped("ring attention needs at least 2 devices")
+    if t % (2 * n):
+        raise Skipped(f"T={t} is not divisible by 2 x {n} devices (load-balanced chunks)")
+    mesh = _mesh(devices, "seq")
+    spec = P(None, "seq")
+    shape = (sizes.ring_batch, t, sizes.ring_heads, sizes.ring_d)
+    args = _random_on_mesh([shape] * 4, mesh, [spec] * 4, seed=seed)
+    attend = functools.partial(tk_jax.ring_attention, axis_name="seq", causal=True,
+                               load_balanced=True, backend=backend)
+    ring = sharding.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    compiled = _compile(_fwd_bwd(ring), args, extra)
+    return _runner(lambda i: compiled(*args), devices)
+
+
+def prepare_ring_transfer(extra: dict, *, devices, t, sizes: Sizes, dtype: str,
+                          seed=0) -> Runner:
+    """One ring hop alone: every device sends its (t/n)-position pair of K,V-shaped blocks in
+    `dtype` to the next device (lax.ppermute, as ring attention does)."""
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+    from tk_jax import sharding
+
+    n = len(devices)
+    if n < 2:
+        raise Skipped("a ring transfer needs at least 2 devices")
+    if t % n:
+        raise Skipped(f"T={t} is not divisible by {n} devices")
+    mesh = _mesh(devices, "seq")
+    spec = P(None, "seq")
+    shape = (sizes.ring_batch, t, sizes.ring_heads, sizes.ring_d)
+    args = _random_on_mesh([shape] * 2, mesh, [spec] * 2, seed=seed, dtype=dtype)
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    send = sharding.shard_map(lambda a, b: lax.ppermute((a, b), "seq", perm), mesh=mesh,
+                              in_specs=(spec, spec), out_specs=(spec, spec))
+    compiled = _compile(send, args, extra)
+    return _runner(lambda i: compiled(*args), devices)
+
+
+def prepare_lm_step(extra: dict, *, devices, sizes: Sizes, backend, seed=0) -> Runner:
+    """One data-parallel training step of a small BasedLM (next-token cross-entropy on random
+    tokens, optax adamw): tokens split over `devices` along the batch, parameters and
+    optimizer state replicated. Runs one step while preparing, to report its loss."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from tk_jax.nn import BasedConfig, BasedLM
+
+    n = len(devices)
+    if sizes.lm_batch % n:
+        raise Skipped(f"batch {sizes.lm_batch} is not divisible by {n} devices")
+    config = BasedConfig(
+        vocab_size=sizes.lm_vocab, d_model=sizes.lm_d_model, num_layers=len(sizes.lm_layers),
+        layer_pattern=tuple(sizes.lm_layers), based_heads=sizes.lm_heads,
+        swa_heads=sizes.lm_heads, swa_window=sizes.lm_window, dtype=jnp.bfloat16,
+        backend=backend)
+    graphdef, params = nnx.split(BasedLM(config, rngs=nnx.Rngs(seed)), nnx.Param)
+    optimizer = optax.adamw(1e-3, weight_decay=0.01)
+
+    def loss_fn(params, tokens):
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    def train_step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    mesh = _mesh(devices, "data")
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    params = jax.device_put(params, replicated)
+    opt_state = jax.device_put(optimizer.init(params), replicated)
+    # seq + 1 tokens per row: the model reads the first seq, predicts the last seq.
+    tokens = np.random.default_rng(seed).integers(0, sizes.lm_vocab,
+                                                  (sizes.lm_batch, sizes.lm_seq + 1))
+    tokens = jax.device_put(tokens.astype(np.int32), split)
+    compiled = _compile(train_step, (params, opt_state, tokens), extra,
+                        in_shardings=(replicated, replicated, split),
+                        out_shardings=(replicated, replicated, replicated))
+    state = list(compiled(params, opt_state, tokens))  # [params, opt_state, loss]
+    extra["first_step_loss"] = float(state[2])
+
+    def call(i):
+        state[0], state[1], state[2] = compiled(state[0], state[1], tokens)
+        return state[2], state[0]  # waiting on these waits for the whole step
+
+    return _runner(call, devices)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run: measurements in order, each recorded as it completes.
+
+def _config(part: str, name: str, devices: int, **fields) -> dict:
+    return {"part": part, "name": name, "devices": devices, **fields}
+
+
+def _label(config: dict) -> str:
+    extra = "".join(f" {k}={v}" for k, v in config.items() if k not in ("part", "name", "devices"))
+    return f"{config['name']} on {config['devices']} device(s){extra}"
+
+
+class Recorder:
+    """Runs measurements and keeps the JSON document up to date after each one."""
+
+    def __init__(self, document: dict, json_path: str, *, reps: int, verbose: bool):
+        self.document, self.json_path = document, json_path
+        self.reps, self.verbose = reps, verbose
+
+    def measure(self, config: dict, prepare: Callable[[dict], Runner]) -> dict:
+        """Time prepare(extra)'s runner; never raises (bench.run_one records failures)."""
+        extra: dict = {}
+        contender = Contender(name=_label(config), description=config["name"], role=OURS,
+                              unavailable=lambda: None, prepare=lambda _: prepare(extra))
+        outcome = run_one(contender, None, config, reps=self.reps, verbose_errors=self.verbose)
+        result = dataclasses.asdict(outcome)
+        result["metrics"].update(extra)
+        self.document["results"].append(result)
+        report.write_json(self.json_path, self.document)
+        if result["status"] == OK:
+            facts = "  ".join(f"{k}={v}" for k, v in extra.items())
+            line = f"{report.format_number(result['median_ms'])} ms  {facts}"
+        else:
+            line = f"{result['status'].upper()}: {result['reason']}"
+        print(f"[{len(self.document['results']):>2}] {_label(config):<68} {line}", flush=True)
+        return result
+
+    def skip(self, config: dict, reason: str) -> dict:
+        def prepare(extra):
+            raise Skipped(reason)
+        return self.measure(config, prepare)
+
+
+def measure_all(rec: Recorder, devices, sizes: Sizes, *, backend: str, lm_backend: str,
+                ring_t) -> None:
+    n = len(devices)
+    # 1. Batch-sharded attention.
+    for count in device_counts(n):
+        config = _config(ATTENTION, SHARDED_ATTENTION, count, batch=sizes.attn_batch,
+                         heads=sizes.attn_heads, t=sizes.attn_t, d=sizes.attn_d, causal=True)
+        rec.measure(config, functools.partial(
+            prepare_flash, devices=devices[:count], batch=sizes.attn_batch, tq=sizes.attn_t,
+            tk=sizes.attn_t, heads=sizes.attn_heads, d=sizes.attn_d, causal=True,
+            spec_axis="batch", backend=backend))
+    # 2. Data-parallel BasedLM training step.
+    for count in device_counts(n):
+        config = _config(LM, LM_STEP, count, batch=sizes.lm_batch, seq=sizes.lm_seq,
+                         d_model=sizes.lm_d_model, layers="-".join(sizes.lm_layers),
+                         backend=lm_backend)
+        rec.measure(config, functools.partial(prepare_lm_step, devices=devices[:count],
+                                              sizes=sizes, backend=lm_backend))
+    # 3. Ring attention, flash_attention on one device, and the ring's pieces alone.
+    for t in ring_t:
+        flash_on_one = functools.partial(prepare_flash, devices=devices[:1],
+                                         batch=sizes.ring_batch, heads=sizes.ring_heads,
+                                         d=sizes.ring_d, spec_axis=None, backend=backend)
+        rec.measure(_config(RING, FLASH_WHOLE, 1, t=t),
+                    functools.partial(flash_on_one, tq=t, tk=t, causal=True))
+        if n < 2:
+            rec.skip(_config(RING, RING_ATTENTION, n, t=t),
+                     "only 1 device visible: ring attention needs at least 2")
+            continue
+        rec.measure(_config(RING, RING_ATTENTION, n, t=t), functools.partial(
+            prepare_ring, devices=devices, t=t, sizes=sizes, backend=backend))
+        for block in ring_step_blocks(t, n):
+            rec.measure(_config(RING, block.name, 1, t=t, ring_devices=n, tq=block.tq,
+                                tk=block.tk, causal=block.causal),
+                        functools.partial(flash_on_one, tq=block.tq, tk=block.tk,
+                                          causal=block.causal))
+        for name, dtype in ((SEND_KV, "bfloat16"), (SEND_DKV, "float32")):
+            rec.measure(_config(RING, name, n, t=t), functools.partial(
+                prepare_ring_transfer, devices=devices, t=t, sizes=sizes, dtype=dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Report.
+
+class Notes:
+    """Numbered footnotes for the table cells that hold no number."""
+
+    def __init__(self):
+        self.numbers: dict[tuple, int] = {}
+
+    def cell(self, result: dict | None) -> str:
+        if result is None:
+            return "-"
+        reason = result.get("reason", "")
+        oom = re.search(r"RESOURCE_EXHAUSTED|out of memory", reason, re.IGNORECASE)
+        label = "OOM" if oom else report.STATUS_CELL.get(result["status"], result["status"])
+        # One note per measurement kind and reason (not per sequence length).
+        key = (result["config"].get("name", result["contender"]), result["status"], reason)
+        return f"{label} [{self.numbers.setdefault(key, len(self.numbers) + 1)}]"
+
+    def text(self) -> str:
+        if not self.numbers:
+            return ""
+        lines = [f"- [{n}] {name}: {status}: {reason or '(no reason given)'}"
+                 for (name, status, reason), n in self.numbers.items()]
+        return "Notes:\n\n" + "\n".join(lines)
+
+
+def _ok_ms(result: dict | None) -> float | None:
+    return result["median_ms"] if result is not None and result["status"] == OK else None
+
+
+def _fmt(value, suffix: str = "") -> str:
+    return "-" if value is None else report.format_number(value) + suffix
+
+
+def _short_count(t: int) -> str:
+    """32768 -> '32k'."""
+    return f"{t // 1024}k" if t >= 1024 and t % 1024 == 0 else str(t)
+
+
+def _collectives_cell(result: dict | None) -> str:
+    if result is None or result["status"] != OK:
+        return "-"
+    found = result["metrics"].get("collectives")
+    return "none" if found == [] else (", ".join(found) if isinstance(found, list) else str(found))
+
+
+def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
+    """Markdown: one table per part, how each number is computed, and notes for failures."""
+    notes = Notes()
+
+    def find(part, name, devices, **fields):
+        for r in reversed(results):  # the latest measurement of that point
+            c = r["config"]
+            if (c.get("part"), c.get("name"), c.get("devices")) == (part, name, devices) and \
+                    all(c.get(k) == v for k, v in fields.items()):
+                return r
+        return None
+
+    def ms_cell(result):
+        value = _ok_ms(result)
+        return notes.cell(result) if value is None and result is not None else _fmt(value)
+
+    sections = []
+    if n <= 1:
+        sections.append("**Only 1 device visible: N=1 only** (no multi-device numbers).")
+
+    # 1. Attention.
+    flops = attention_flops(AttentionConfig(t=sizes.attn_t, d=sizes.attn_d, causal=True,
+                                            backward=True, batch=sizes.attn_batch,
+                                            heads=sizes.attn_heads))
+    base = _ok_ms(find(ATTENTION, SHARDED_ATTENTION, 1))
+    rows = []
+    for count in device_counts(n):
+        r = find(ATTENTION, SHARDED_ATTENTION, count)
+        ms = _ok_ms(r)
+        speedup = base / ms if base and ms else None
+        rows.append([str(count), str(sizes.attn_batch), str(sizes.attn_batch // count),
+                     ms_cell(r), _fmt(ms and flops / (ms * 1e-3) / 1e12 / count),
+                     _fmt(speedup, "x"), _fmt(speedup and 100 * speedup / count, "%"),
+                     _collectives_cell(r)])
+    sections.append(
+        f"### 1. Batch-sharded attention: flash_attention fwd+bwd, causal, D={sizes.attn_d}, "
+        f"T={sizes.attn_t}, global batch {sizes.attn_batch} x {sizes.attn_heads} heads\n\n"
+        + report.markdown_table(["devices", "global batch", "batch per device", "time (ms)",
+                                 "TFLOP/s per device", "speedup", "efficiency",
+                                 "collectives"], rows)
+        + "\n\nspeedup = time on 1 device / time on N; efficiency = speedup / N. TFLOP/s "
+          "counts the causal fwd+bwd matmul FLOPs (3.5 x 2*B*H*T*T*D). A batch-sharded "
+          "call needs no collective.")
+
+    # 2. Data-parallel BasedLM.
+    tokens = sizes.lm_batch * sizes.lm_seq
+    base = _ok_ms(find(LM, LM_STEP, 1))
+    rows = []
+    for count in device_counts(n):
+        r = find(LM, LM_STEP, count)
+        ms = _ok_ms(r)
+        per_s = ms and tokens / (ms * 1e-3)
+        loss = r["metrics"].get("first_step_loss") if r is not None and ms else None
+        rows.append([str(count), str(sizes.lm_batch), ms_cell(r), _fmt(per_s),
+                     _fmt(per_s and per_s / count), _fmt(base / ms if base and ms else None, "x"),
+                     _collectives_cell(r), _fmt(loss)])
+    backend = (find(LM, LM_STEP, 1) or {}).get("config", {}).get("backend", "?")
+    sections.append(
+        f"### 2. Data-parallel BasedLM training step (layers {'-'.join(sizes.lm_layers)}, "
+        f"d_model {sizes.lm_d_model}, seq {sizes.lm_seq}, vocab {sizes.lm_vocab}, bf16 "
+        f"activations, adamw, backend={backend!r})\n\n"
+        + report.markdown_table(["devices", "global batch", "step (ms)", "tokens/s",
+                                 "tokens/s per device", "speedup", "collectives",
+                                 "loss (1st step)"], rows)
+        + f"\n\ntokens/s = {sizes.lm_batch} x {sizes.lm_seq} tokens / step time; speedup = "
+          "tokens/s on N devices / on 1. Parameters are replicated; the gradients are "
+          "all-reduced (the only collective expected).")
+
+    # 3. Ring attention.
+    rows = []
+    for t in ring_t:
+        flash_r, ring_r = find(RING, FLASH_WHOLE, 1, t=t), find(RING, RING_ATTENTION, n, t=t)
+        flash_ms, ring_ms = _ok_ms(flash_r), _ok_ms(ring_r)
+        flops = attention_flops(AttentionConfig(t=t, d=sizes.ring_d, causal=True,
+                                                backward=True, batch=sizes.ring_batch,
+                                                heads=sizes.ring_heads))
+        steps = [(b, find(RING, b.name, 1, t=t)) for b in ring_step_blocks(t, max(n, 2))]
+        sends = [(count, find(RING, name, n, t=t))
+                 for count, name in zip(ring_transfers(max(n, 2)), (SEND_KV, SEND_DKV))]
+        step_ms = [_ok_ms(r) for _, r in steps]
+        send_ms = [_ok_ms(r) for _, r in sends]
+        compute = (sum(b.count * ms for (b, _), ms in zip(steps, step_ms))
+                   if all(ms is not None for ms in step_ms) else None)
+        comm = (sum(count * ms for (count, _), ms in zip(sends, send_ms))
+                if all(ms is not None for ms in send_ms) else None)
+        estimate = (hidden_comm(ring_ms, compute, comm)
+                    if None not in (ring_ms, compute, comm) else {})
+
+        def missing(value, parts):  # a failed piece explains a missing derived number
+            failed = [r for _, r in parts if r is not None and r["status"] != OK]
+            return notes.cell(failed[0]) if value is None and failed else _fmt(value)
+
+        fraction = estimate.get("hidden_fraction")
+        rows.append([
+            _short_count(t), ms_cell(flash_r), ms_cell(ring_r),
+            _fmt(flash_ms / ring_ms if flash_ms and ring_ms else None, "x"),
+            _fmt(ring_ms and flops / (ring_ms * 1e-3) / 1e12 / n),
+            _fmt(flash_ms and flops / (flash_ms * 1e-3) / 1e12),
+            missing(compute, steps), _fmt(estimate.get("overhead_ms")),
+            missing(comm, sends),
+            "-" if fraction is None else f"{100 * fraction:.0f}%"])
+    sections.append(
+        f"### 3. Ring attention on {n} device(s) vs flash_attention on 1: fwd+bwd, causal, "
+        f"load-balanced, D={sizes.ring_d}, H={sizes.ring_heads}, B={sizes.ring_batch}\n\n"
+        + report.markdown_table(
+            ["T", "flash 1 dev (ms)", f"ring {n} dev (ms)", "speedup", "ring TFLOP/s per dev",
+             "flash TFLOP/s", "sum of steps (ms)", "overhead (ms)", "comm alone (ms)",
+             "comm hidden"], rows)
+        + "\n\nspeedup = flash_attention on 1 device / ring on N (ideal: N). TFLOP/s count the "
+          "causal fwd+bwd FLOPs of the whole sequence (per device for the ring).\n\n"
+          "How the last four columns are computed:\n"
+          "- sum of steps = t(diagonal block: causal, T/N x T/N) + (N-1) x t(off-diagonal "
+          "block: unmasked, T/N queries x T/2N keys), each timed alone as flash_attention "
+          "fwd+bwd on one device: the attention work one device does in the ring.\n"
+          "- overhead = ring time - sum of steps: exposed communication plus the merges and "
+          "bookkeeping of the ring.\n"
+          "- comm alone = 2(N-1) x t(send K,V bf16) + N x t(send dK,dV f32), each one "
+          "lax.ppermute of one device's block around the ring, timed alone.\n"
+          "- comm hidden = (comm alone - max(overhead, 0)) / comm alone, clipped to [0, 100%]: "
+          "a lower bound on the share of communication overlapped with computation.")
+
+    if (text := notes.text()):
+        sections.append(text)
+    return "\n\n".join(sections)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point (called by __main__.py).
+
+def _sizes_and_lengths(args) -> tuple[Sizes, tuple]:
+    sizes = TINY if args.tiny else FULL
+    return sizes, tuple(args.t) if args.t else sizes.ring_t
+
+
+def describe_plan(args, num_devices: int) -> str:
+    sizes, ring_t = _sizes_and_lengths(args)
+    counts = " and ".join(str(c) for c in device_counts(num_devices))
+    lines = [f"scale: on {counts} device(s) of {num_devices} visible",
+             f"  1. flash_attention fwd+bwd, batch-sharded jit: B={sizes.attn_batch} "
+             f"H={sizes.attn_heads} T={sizes.attn_t} D={sizes.attn_d} causal",
+             f"  2. BasedLM train step, data-parallel jit: batch {sizes.lm_batch} x seq "
+             f"{sizes.lm_seq}, layers {'-'.join(sizes.lm_layers)}, d_model {sizes.lm_d_model}",
+             f"  3. ring_attention (causal, load-balanced) vs flash_attention on 1 device: "
+             f"T={','.join(map(str, ring_t))} B={sizes.ring_batch} H={sizes.ring_heads} "
+             f"D={sizes.ring_d}; plus its steps and transfers timed alone"]
+    if num_devices <= 1:
+        lines.append("  only 1 device visible: N=1 only (ring attention is skipped)")
+    return "\n".join(lines)
+
+
+def run_suite(args, environment: dict, card: str) -> int:
+    """`python -m tk_jax.bench scale`: measure, print the tables, write JSON and markdown."""
+    import jax
+
+    ignored = [flag for flag, given in (("--quick", args.quick), ("--d", args.d),
+                                        ("--fwd-only", args.fwd_only),
+                                        ("--contenders", args.contenders),
+                                        ("--causal", args.causal != "both"),
+                                        ("--merge", args.merge)) if given]
+    if ignored:
+        print(f"note: {', '.join(ignored)} do(es) not apply to the scale suite (ignored)")
+    devices = jax.devices()
+    plan = describe_plan(args, len(devices))
+    print("tk_jax benchmark")
+    print("\n".join(f"  {line}" for line in report.environment_lines(environment)) + "\n")
+    print(plan + "\n", flush=True)
+    if args.list or args.dry_run:
+        return 0
+
+    sizes, ring_t = _sizes_and_lengths(args)
+    backend = args.tk_backend
+    # The LM mixes layers; "auto" lets each use its kernel where one exists for its inputs.
+    lm_backend = "reference" if backend == "reference" else "auto"
+    stem = os.path.join(args.out, f"{SUITE}-{card}")
+    document = {"suite": SUITE, "card": card, "command": args.command,
+                "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                "environment": environment, "devices": len(devices),
+                "device_kinds": sorted({d.device_kind for d in devices}),
+                "sizes": dataclasses.asdict(sizes), "ring_t": list(ring_t),
+                "backend": backend, "results": []}
+    rec = Recorder(document, stem + ".json", reps=args.reps, verbose=args.verbose)
+    started = time.perf_counter()
+    try:
+        measure_all(rec, devices, sizes, backend=backend, lm_backend=lm_backend, ring_t=ring_t)
+    finally:  # also on Ctrl-C: report what was measured
+        document["elapsed_s"] = round(time.perf_counter() - started, 1)
+        report.write_json(stem + ".json", document)
+        header = report.environment_lines(environment) + [
+            f"devices: {len(devices)} x {', '.join(document['device_kinds'])}",
+            f"attention backend: {backend}; reps per point: {args.reps} (median reported)",
+            f"elapsed: {document['elapsed_s']} s"]
+        text = "\n".join([f"# scale on {card}", "", "\n".join(f"- {h}" for h in header), "",
+                          scale_report(document["results"], len(devices), sizes, ring_t)])
+        print("\n" + text + "\n")
+        report.write_text(stem + ".md", text)
+        print(f"wrote {stem}.json, {stem}.md", flush=True)
+    return 0
