@@ -9,11 +9,13 @@ pairs in their state, which is what Based's 273-feature Taylor state is built fo
     python examples/train_based_mqar.py --tiny            # CPU, well under 2 minutes
     python examples/train_based_mqar.py                   # seq 256, 16 pairs, d_model 128 (GPU)
     python examples/train_based_mqar.py --time-backends   # kernel vs reference step time
+    python examples/train_based_mqar.py --data-parallel   # batch split over all local devices
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 
 import jax
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from tk_jax.nn import BasedConfig, BasedLM
@@ -72,6 +75,29 @@ def make_mqar_batch(rng: np.random.Generator, *, batch_size: int, seq_len: int,
     return tokens.astype(np.int32), targets.astype(np.int32), is_query
 
 
+# --------------------------------------------------------------------------- data parallel
+# One mesh axis "data" over all local devices: each batch is split along its examples, the
+# parameters and optimizer state are replicated, and jit inserts the gradient all-reduce.
+
+def data_parallel_mesh(batch_size: int) -> Mesh:
+    """A 1-D mesh, axis "data", over jax.local_devices(); the batch must split evenly."""
+    devices = jax.local_devices()
+    if batch_size % len(devices):
+        raise ValueError(f"--data-parallel: batch_size={batch_size} is not divisible by the "
+                         f"{len(devices)} local devices; use a multiple of {len(devices)}")
+    return Mesh(np.array(devices), ("data",))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A full copy on every device of the mesh."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def split_batch(mesh: Mesh) -> NamedSharding:
+    """Axis 0 (examples) split over the mesh's "data" axis."""
+    return NamedSharding(mesh, PartitionSpec("data"))
+
+
 # --------------------------------------------------------------------------------- training
 
 @dataclasses.dataclass
@@ -94,6 +120,8 @@ class TrainConfig:
     dtype: str = "float32"
     # "rmsnorm" learns MQAR several times faster than the normaliser here (CPU runs).
     based_norm: str = "rmsnorm"
+    # Split each batch over all local devices (parameters and optimizer state replicated).
+    data_parallel: bool = False
 
 
 TINY = dict(seq_len=64, num_kv_pairs=4, vocab_size=128, d_model=64, layers=2, steps=500,
@@ -119,22 +147,35 @@ def query_loss_and_accuracy(logits, targets, is_query):
     return (losses * weights).sum() / count, (correct * weights).sum() / count
 
 
-def make_train_step(model: BasedLM, optimizer: optax.GradientTransformation):
-    """A jitted pure function (params, opt_state, batch) -> (params, opt_state, loss, acc)."""
+def make_train_step(model: BasedLM, optimizer: optax.GradientTransformation,
+                    mesh: Mesh | None = None):
+    """A jitted pure function (params, opt_state, batch) -> (params, opt_state, loss, acc).
+
+    With a mesh, the batch arrays are split along axis 0 over its "data" axis and everything
+    else is replicated; the loss is still the mean over the whole global batch, so XLA
+    all-reduces the gradients and every device applies the same update.
+    """
     graphdef, _ = nnx.split(model, nnx.Param)
 
     def loss_fn(params, tokens, targets, is_query):
         logits = nnx.merge(graphdef, params)(tokens)
         return query_loss_and_accuracy(logits, targets, is_query)
 
-    @jax.jit
+    jit_train = jax.jit
+    if mesh is not None:
+        # One sharding per argument/result also covers a whole tree (params, opt_state).
+        copy, split = replicated(mesh), split_batch(mesh)
+        jit_train = functools.partial(jax.jit, in_shardings=(copy, copy, split, split, split),
+                                      out_shardings=(copy, copy, copy, copy))
+
+    @jit_train
     def train_step(params, opt_state, tokens, targets, is_query):
         (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, tokens, targets, is_query)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, acc
 
-    @jax.jit
+    @jax.jit  # follows the shardings its inputs already have
     def eval_step(params, tokens, targets, is_query):
         return loss_fn(params, tokens, targets, is_query)
 
@@ -153,7 +194,12 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
-    """Train on fresh MQAR batches; returns {"losses", "accs", "eval_accs", "steps"}."""
+    """Train on fresh MQAR batches; returns {"losses", "accs", "eval_accs", "steps", "params"}
+    ("params": the final parameters, an nnx.State)."""
+    mesh = data_parallel_mesh(cfg.batch_size) if cfg.data_parallel else None
+    if mesh is not None and progress:
+        print(f"data parallel over {mesh.size} {jax.local_devices()[0].platform} device(s): "
+              f"global batch {cfg.batch_size}, {cfg.batch_size // mesh.size} per device")
     rng = np.random.default_rng(cfg.seed)
     data = dict(seq_len=cfg.seq_len, num_kv_pairs=cfg.num_kv_pairs, vocab_size=cfg.vocab_size)
     eval_batch = make_mqar_batch(np.random.default_rng(cfg.seed + 1),
@@ -163,11 +209,19 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     optimizer = make_optimizer(cfg)
     params = nnx.state(model, nnx.Param)
     opt_state = optimizer.init(params)
-    train_step, eval_step = make_train_step(model, optimizer)
+    if mesh is not None:
+        params, opt_state = jax.device_put((params, opt_state), replicated(mesh))
+        # The eval batch is split too when it divides evenly, else copied to every device.
+        divides = cfg.eval_examples % mesh.size == 0
+        eval_batch = jax.device_put(eval_batch, split_batch(mesh) if divides else replicated(mesh))
+    train_step, eval_step = make_train_step(model, optimizer, mesh)
 
     history = {"losses": [], "accs": [], "eval_accs": [], "steps": 0}
     bar = tqdm(range(cfg.steps), disable=not progress, desc="MQAR", dynamic_ncols=True)
     for step in bar:
+        # Host numpy batch; with a mesh, jit's in_shardings split it over the devices. The
+        # float() below waits for every step, which also keeps XLA:CPU host devices from
+        # queueing many multi-device programs (they can deadlock there; see bench/scale.py).
         batch = make_mqar_batch(rng, batch_size=cfg.batch_size, **data)
         params, opt_state, loss, acc = train_step(params, opt_state, *batch)
         history["losses"].append(float(loss))
@@ -185,6 +239,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         elif step % 10 == 0:
             bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(acc):.3f}")
     bar.close()
+    history["params"] = params
     return history
 
 
@@ -193,14 +248,18 @@ def time_backends(cfg: TrainConfig, *, repeats: int = 20) -> None:
     batch = make_mqar_batch(np.random.default_rng(cfg.seed), batch_size=cfg.batch_size,
                             seq_len=cfg.seq_len, num_kv_pairs=cfg.num_kv_pairs,
                             vocab_size=cfg.vocab_size)
+    mesh = data_parallel_mesh(cfg.batch_size) if cfg.data_parallel else None
     print(f"train step, batch {cfg.batch_size}, seq {cfg.seq_len}, d_model {cfg.d_model}, "
-          f"{cfg.layers} layers, {cfg.dtype}, device {jax.devices()[0].device_kind}")
+          f"{cfg.layers} layers, {cfg.dtype}, device {jax.devices()[0].device_kind}"
+          + (f", data parallel over {mesh.size} device(s)" if mesh is not None else ""))
     for backend in ("kernel", "reference"):
         model = build_model(cfg, backend)
         optimizer = make_optimizer(cfg)
         params = nnx.state(model, nnx.Param)
         opt_state = optimizer.init(params)
-        train_step, _ = make_train_step(model, optimizer)
+        if mesh is not None:
+            params, opt_state = jax.device_put((params, opt_state), replicated(mesh))
+        train_step, _ = make_train_step(model, optimizer, mesh)
         try:
             # The first call compiles; backend="kernel" raises a ValueError here when the
             # kernel cannot run on this machine or these shapes.
@@ -247,6 +306,10 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
                         + ", ".join(f"{k}={v}" for k, v in TINY.items()))
     p.add_argument("--time-backends", action="store_true",
                    help="time the train step with backend kernel vs reference, then exit")
+    p.add_argument("--data-parallel", action="store_true", default=None,
+                   help="split each batch over all local devices (jax.local_devices()), "
+                        "parameters replicated; the batch size must be divisible by the "
+                        "device count")
     args = p.parse_args(argv)
 
     values = dataclasses.asdict(defaults)

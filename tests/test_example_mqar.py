@@ -1,4 +1,5 @@
-"""examples/train_based_mqar.py: the MQAR data is well formed and a short tiny run learns."""
+"""examples/train_based_mqar.py: the MQAR data is well formed, a short tiny run learns, and the
+data-parallel run (8 host devices, see conftest.py) takes the same steps as one device."""
 import dataclasses
 import importlib.util
 import pathlib
@@ -48,8 +49,37 @@ def test_tiny_training_reduces_loss(mqar):
     assert losses[:5].mean() > losses[-5:].mean() + 0.3, losses
 
 
+def test_data_parallel_matches_one_device(mqar, rng):
+    import jax
+
+    devices = jax.local_devices()
+    assert len(devices) == 8, "conftest.py should give 8 host devices"
+    cfg, _ = mqar.parse_args(["--tiny", "--data-parallel"])
+    assert cfg.data_parallel and cfg.batch_size % len(devices) == 0
+    cfg = dataclasses.replace(cfg, steps=12, warmup_steps=3, eval_every=12, eval_examples=64,
+                              seed=int(rng.integers(2**31)))
+    with pytest.raises(ValueError, match="batch_size=12 is not divisible by the 8"):
+        mqar.train(dataclasses.replace(cfg, batch_size=12), progress=False)
+
+    parallel = mqar.train(cfg, progress=False)
+    single = mqar.train(dataclasses.replace(cfg, data_parallel=False), progress=False)
+
+    losses = np.asarray(parallel["losses"])
+    assert np.isfinite(losses).all() and losses[:3].mean() > losses[-3:].mean() + 0.1, losses
+    # Same data and seed: the same global-batch loss, so the same updates up to the order of
+    # float32 sums (the gradient all-reduce adds per-device partial sums).
+    np.testing.assert_allclose(losses, single["losses"], rtol=1e-5, atol=1e-5)
+    parallel_leaves = jax.tree.leaves(parallel["params"])
+    single_leaves = jax.tree.leaves(single["params"])
+    assert len(parallel_leaves) == len(single_leaves) > 0
+    for p, s in zip(parallel_leaves, single_leaves):
+        assert p.sharding.device_set == set(devices) and p.sharding.is_fully_replicated
+        np.testing.assert_allclose(np.asarray(p), np.asarray(s), rtol=1e-4, atol=1e-5)
+
+
 def test_cli_flags_override_tiny(mqar):
     cfg, args = mqar.parse_args(["--tiny", "--seq-len", "48", "--lr", "0.01", "--backend",
                                  "reference", "--target-acc", "0.9"])
     assert (cfg.seq_len, cfg.lr, cfg.backend, cfg.target_acc) == (48, 0.01, "reference", 0.9)
     assert cfg.d_model == mqar.TINY["d_model"] and not args.time_backends
+    assert not cfg.data_parallel
