@@ -23,12 +23,9 @@ def check_array(x, name: str, *, min_ndim: int, dtypes=FLOAT_DTYPES, op: str) ->
 
 def check_same(values: dict, what: str, op: str) -> None:
     """All values in {argument name: value} are equal (e.g. batch shapes or dtypes)."""
-    items = list(values.items())
-    first_name, first = items[0]
-    for name, value in items[1:]:
-        if value != first:
-            listing = ", ".join(f"{n}: {v}" for n, v in items)
-            raise ValueError(f"{op}: {what} must match across {', '.join(values)}; got {listing}")
+    if len(set(values.values())) > 1:
+        listing = ", ".join(f"{name}: {value}" for name, value in values.items())
+        raise ValueError(f"{op}: {what} must match across {', '.join(values)}; got {listing}")
 
 
 def check_positive_finite(value, name: str, op: str) -> float:
