@@ -1,5 +1,4 @@
 """Helpers for GPU tests: relative error and output poisoning."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -1,6 +1,5 @@
 """The build and the documented commands: CI must run the README's test command, and a build
 made where nvcc exists must contain the kernels, registered for the jaxlib in use."""
-import os
 import re
 import shutil
 from pathlib import Path

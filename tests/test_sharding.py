@@ -9,7 +9,6 @@ function differs. HLO checks read the compiled program's text for collectives.
 from __future__ import annotations
 
 import functools
-import re
 import sys
 import types
 import warnings
@@ -28,11 +27,11 @@ from tk_jax.reference.based import based_forward
 
 try:  # tests/ as a package, or tests/ on sys.path
     from tests.naive import relative_l2
+    from tests.sharding_util import collectives, output_and_grads
 except ImportError:
     from naive import relative_l2
+    from sharding_util import collectives, output_and_grads
 
-COLLECTIVES = re.compile(r"\b(all-gather|all-to-all|all-reduce|collective-permute|"
-                         r"reduce-scatter)(-start)?\b")
 TOL = 2e-5  # float32, sharded vs unsharded: only the order of additions differs
 
 
@@ -49,24 +48,11 @@ def random_arrays(rng, *shapes, dtype=jnp.float32):
     return tuple(jnp.asarray(rng.standard_normal(s), dtype) for s in shapes)
 
 
-def collectives(compiled_text: str) -> set[str]:
-    return {m.group(1) for m in COLLECTIVES.finditer(compiled_text)}
-
-
 def assert_close(actual, expected, what, tol=TOL):
     actual = np.asarray(jnp.asarray(actual, jnp.float32))
     assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
     err = relative_l2(actual, np.asarray(jnp.asarray(expected, jnp.float32)))
     assert err < tol, f"{what}: relative L2 error {err:.3g} >= {tol}"
-
-
-def output_and_grads(attend):
-    """fn(q, k, v, do) -> (o, (dq, dk, dv)) of the loss sum(o * do)."""
-    def run(q, k, v, do):
-        def loss(q, k, v):
-            return jnp.sum(attend(q, k, v).astype(jnp.float32) * do)
-        return attend(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    return run
 
 
 def expected_result(attend, q, k, v, do):

@@ -14,7 +14,6 @@ visible GPUs (skipped with the reason otherwise). Run: pytest -m gpu tests/test_
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +23,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import tk_jax
 from gpu_util import rel_l2
+from sharding_util import collectives, output_and_grads
 from tk_jax import sharding
 
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2  # relative L2, sharded vs one GPU, bf16
-COLLECTIVES = re.compile(r"\b(all-gather|all-to-all|all-reduce|collective-permute|"
-                         r"reduce-scatter)(-start)?\b")
 
 
 @pytest.fixture(scope="module")
@@ -53,23 +51,10 @@ def bf16(rng, shape):
     return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
 
 
-def output_and_grads(attend):
-    """fn(q, k, v, do) -> (o, (dq, dk, dv)) of the loss sum(o * do)."""
-    def run(q, k, v, do):
-        def loss(q, k, v):
-            return jnp.sum(attend(q, k, v).astype(jnp.float32) * do)
-        return attend(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    return run
-
-
 def on_one_gpu(attend, gpu, q, k, v, do):
     """The expected result: the same function, unsharded, on one GPU."""
     args = [jax.device_put(x, gpu) for x in (q, k, v, do)]
     return jax.jit(output_and_grads(attend))(*args)
-
-
-def collectives(compiled) -> set[str]:
-    return {m.group(1) for m in COLLECTIVES.finditer(compiled.as_text())}
 
 
 def assert_matches(actual, expected, tol=TOL):
@@ -114,7 +99,7 @@ def test_sharded_jit_matches_one_gpu_without_collectives(gpus, rng, case, causal
     args = (jax.device_put(q, q_sharding), jax.device_put(k, kv_sharding),
             jax.device_put(v, kv_sharding), jax.device_put(do, q_sharding))
     compiled = jax.jit(output_and_grads(attend)).lower(*args).compile()
-    found = collectives(compiled)
+    found = collectives(compiled.as_text())
     assert not found, f"collectives in the sharded program ({case}): {sorted(found)}"
     assert_matches(compiled(*args), expected)
 
@@ -129,7 +114,7 @@ def test_based_sharded_jit_over_batch_matches_one_gpu_without_collectives(gpus, 
     mesh = Mesh(np.array(gpus), ("x",))
     args = [jax.device_put(x, NamedSharding(mesh, P("x"))) for x in (q, k, v, do)]
     compiled = jax.jit(output_and_grads(attend)).lower(*args).compile()
-    found = collectives(compiled)
+    found = collectives(compiled.as_text())
     assert not found, f"collectives in the sharded Based program: {sorted(found)}"
     assert_matches(compiled(*args), expected)
 
@@ -151,7 +136,7 @@ def test_shard_map_over_batch_matches_one_gpu(gpus, rng, causal):
     args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, do)]
     compiled = jax.jit(output_and_grads(local)).lower(*args).compile()
     # The kernel's results are typed per device: autodiff must not sum gradients across GPUs.
-    found = collectives(compiled)
+    found = collectives(compiled.as_text())
     assert not found, f"collectives in the shard_map program: {sorted(found)}"
     assert_matches(compiled(*args), expected)
 
@@ -186,7 +171,7 @@ def test_ring_attention_matches_one_gpu(gpus, rng, causal):
     args = [jax.device_put(to_layout(x), NamedSharding(mesh, spec)) for x in (q, k, v, do)]
     compiled = jax.jit(output_and_grads(ring)).lower(*args).compile()
     # K/V blocks (and dK/dV) only pass around the ring: no gather, no reduction.
-    assert collectives(compiled) == {"collective-permute"}, sorted(collectives(compiled))
+    assert collectives(compiled.as_text()) == {"collective-permute"}, sorted(collectives(compiled.as_text()))
     o, grads = compiled(*args)
     actual = (from_layout(o), tuple(from_layout(g) for g in grads))
     assert_matches(actual, expected)

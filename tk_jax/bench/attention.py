@@ -13,7 +13,7 @@ import math
 
 from tk_jax.bench import (BASELINE, OURS, PEER, Contender, Outcome, Skipped, Unsupported,
                           distribution_version, module_unavailable, random_normal_sets)
-from tk_jax.bench.timing import JaxClock, Runner, input_sets_needed
+from tk_jax.bench.timing import Runner, compiled_jax_runner, input_sets_needed
 
 TOKENS = 16384
 MODEL_WIDTH = 2048
@@ -88,21 +88,11 @@ def jax_attention_runner(attend, config: AttentionConfig) -> Runner:
 
     Errors raised while tracing (argument checks) surface here, before any timing.
     """
-    import jax
-
-    if config.backward:
-        def step(q, k, v, cotangent):
-            o, pullback = jax.vjp(attend, q, k, v)
-            return o, pullback(cotangent)
-    else:
-        step = attend
-
     shape = (config.batch, config.t, config.heads, config.d)
     shapes = [shape] * (4 if config.backward else 3)  # q, k, v (and the output cotangent)
     bytes_per_set = len(shapes) * math.prod(shape) * 2  # bf16
     sets = random_normal_sets(shapes, input_sets_needed(bytes_per_set))
-    compiled = jax.jit(step).lower(*sets[0]).compile()
-    return Runner(call=lambda i: compiled(*sets[i]), n_sets=len(sets), clock=JaxClock())
+    return compiled_jax_runner(attend, sets, backward=config.backward)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import dataclasses
 
 from tk_jax.bench import (BASELINE, OURS, PEER, Contender, Outcome, Unsupported,
                           distribution_version, module_unavailable, random_normal_sets)
-from tk_jax.bench.timing import JaxClock, Runner, TorchCudaClock, input_sets_needed, measure
+from tk_jax.bench.timing import (JaxClock, Runner, TorchCudaClock, compiled_jax_runner,
+                                 input_sets_needed, measure)
 
 BATCH, HEADS, FEATURE, VALUE_DIM = 16, 16, 16, 64
 T_GRID = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -72,26 +73,18 @@ def _jax_inputs(config: BasedConfig, n_sets: int, seed: int = 0):
 
 def _tk_contender(backend: str) -> Contender:
     def prepare(config: BasedConfig) -> Runner:
-        import jax
         import tk_jax
 
         def attend(q, k, v):
             return tk_jax.based_linear_attention(q, k, v, backend=backend)
 
-        if config.backward:
-            def step(q, k, v, cotangent):
-                o, pullback = jax.vjp(attend, q, k, v)
-                return o, pullback(cotangent)
-        else:
-            step = attend
         sets = _jax_inputs(config, input_sets_needed(_bytes_per_set(config)))
         try:
-            compiled = jax.jit(step).lower(*sets[0]).compile()
+            return compiled_jax_runner(attend, sets, backward=config.backward)
         except ValueError as err:
             if backend == "kernel":  # the kernel declines what it cannot run
                 raise Unsupported(str(err)) from None
             raise
-        return Runner(call=lambda i: compiled(*sets[i]), n_sets=len(sets), clock=JaxClock())
 
     ours = backend == "kernel"
     return Contender(

@@ -102,6 +102,22 @@ class Timing:
     calls_per_rep: int
 
 
+def compiled_jax_runner(attend, sets, *, backward: bool) -> Runner:
+    """A Runner over input sets for `attend(q, k, v) -> o` (forward), or for its VJP with the
+    set's fourth array as the output cotangent (forward + backward). Compiled here, so that
+    argument errors raised while tracing surface before any timing."""
+    import jax
+
+    if backward:
+        def step(q, k, v, cotangent):
+            o, pullback = jax.vjp(attend, q, k, v)
+            return o, pullback(cotangent)
+    else:
+        step = attend
+    compiled = jax.jit(step).lower(*sets[0]).compile()
+    return Runner(call=lambda i: compiled(*sets[i]), n_sets=len(sets), clock=JaxClock())
+
+
 def measure(runner: Runner, *, reps: int = 10, warmup: int = 3, min_rep_seconds: float = 0.02,
             max_calls_per_rep: int = 1000) -> Timing:
     """Median seconds per call of `runner` (see the module docstring)."""
