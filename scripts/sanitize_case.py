@@ -1,7 +1,9 @@
-"""A small case of every attention kernel (forward variants and backward), for running under
-compute-sanitizer: `compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py`.
-Odd lengths and GQA so that tails and masks are exercised."""
+"""A small case of every kernel (attention forward variants and backward, Based forward and
+backward), for running under compute-sanitizer:
+`compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py [attention|based]`
+(both when no argument is given). Odd lengths and GQA so that tails and masks are exercised."""
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,8 @@ from tk_jax import _ext, _kernels
 ok, why = _ext.kernels_available()
 assert ok, why
 rng = np.random.default_rng(0)
-for d in (64, 128):
+which = sys.argv[1:] or ["attention", "based"]
+for d in (64, 128) if "attention" in which else ():
     q = jnp.asarray(rng.standard_normal((1, 77, 4, d)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((1, 130, 2, d)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((1, 130, 2, d)), jnp.bfloat16)
@@ -21,4 +24,14 @@ for d in (64, 128):
         o, lse = _kernels.attention_fwd(q, k, v, variant=variant, **kw)
     dq, dk, dv = _kernels.attention_bwd(q, k, v, o, lse, jnp.ones_like(o), **kw)
     jax.block_until_ready((o, lse, dq, dk, dv))
+for dv in (64, 128) if "based" in which else ():  # Based: two chunks, the second partial; a random initial state
+    qk_shape, v_shape = (1, 77, 2, 16), (1, 77, 2, dv)
+    q, k = (jnp.asarray(0.5 * rng.standard_normal(qk_shape), jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal(v_shape), jnp.bfloat16)
+    s0 = jnp.asarray(rng.standard_normal((1, 2, 273, dv)), jnp.float32)
+    z0 = jnp.asarray(10 + rng.random((1, 2, 273)), jnp.float32)
+    y, s, z, den = _kernels.based_fwd(q, k, v, s0, z0, normalize=True, eps=1e-6)
+    grads = _kernels.based_bwd(q, k, v, y, den, jnp.ones_like(y), s0, z0, jnp.ones_like(s), jnp.ones_like(z),
+                               normalize=True, eps=1e-6)
+    jax.block_until_ready((y, s, z, den, grads))
 print("sanitize case done")

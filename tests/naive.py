@@ -1,10 +1,13 @@
-"""Naive float64 attention in numpy: the full score matrix, no blocking, no tricks.
+"""Naive float64 attention and Based linear attention: the full score matrix, no blocking, no
+tricks. The test oracles for the blockwise references and the CUDA kernels.
 
-The test oracle for the blockwise reference and the CUDA kernels. Shapes as in tk_jax:
+Softmax attention (numpy): Shapes as in tk_jax:
 q [B, Tq, Hq, D], k [B, Tk, Hkv, D], v [B, Tk, Hkv, Dv]; query head h reads kv head h // G with
 G = Hq // Hkv. Masking is the bottom-right aligned window rule of tk_jax.flash_attention.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -83,3 +86,38 @@ def naive_attention_grads(q, k, v, do, scale, window_left, window_right, dlse=No
         return x.reshape(b, kv_heads, hq // kv_heads, t, d).sum(axis=2).transpose(0, 2, 1, 3)
 
     return dq.transpose(0, 2, 1, 3), sum_groups(dk), sum_groups(dv)
+
+
+# ------------------------------------------------------------------ Based linear attention
+# Written against the array module `xp`: numpy for outputs (no compile), jax.numpy under
+# jax.enable_x64 where gradients are needed.
+
+BASED_FEATURE_DIM = 16
+
+
+def naive_feature_map(x, xp=np):
+    """[..., 16] -> [..., 273]: 1, x_i / 2, x_i x_j / (sqrt(2) * 4)."""
+    ones = xp.ones(x.shape[:-1] + (1,), x.dtype)
+    pairs = xp.einsum("...i,...j->...ij", x, x).reshape(x.shape[:-1] + (BASED_FEATURE_DIM**2,))
+    return xp.concatenate([ones, x / BASED_FEATURE_DIM**0.25, pairs / math.sqrt(2 * BASED_FEATURE_DIM)], axis=-1)
+
+
+def naive_based(q, k, v, *, normalize, eps, initial_state=None, xp=np):
+    """float64 causal Based: q, k [B,T,H,16], v [B,T,H,Dv] -> (y, (S, z))."""
+    q, k, v = (xp.asarray(x, np.float64) for x in (q, k, v))
+    seq_len = q.shape[1]
+    s = xp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(BASED_FEATURE_DIM)
+    weights = (1 + s + s * s / 2) * xp.tril(xp.ones((seq_len, seq_len)))
+    num = xp.einsum("bhts,bshv->bthv", weights, v)
+    den = xp.einsum("bhts->bth", weights)
+    phi_k = naive_feature_map(k, xp)
+    state_s = xp.einsum("bthf,bthv->bhfv", phi_k, v)
+    state_z = xp.einsum("bthf->bhf", phi_k)
+    if initial_state is not None:
+        s0, z0 = (xp.asarray(x, np.float64) for x in initial_state)
+        phi_q = naive_feature_map(q, xp)
+        num = num + xp.einsum("bthf,bhfv->bthv", phi_q, s0)
+        den = den + xp.einsum("bthf,bhf->bth", phi_q, z0)
+        state_s, state_z = state_s + s0, state_z + z0
+    y = num / (den[..., None] + eps) if normalize else num
+    return y, (state_s, state_z)

@@ -1,9 +1,8 @@
-"""The Based forward kernel against a float64 naive on the GPU: fresh random inputs, lengths that
-are not multiples of the 64-token chunk, outputs poisoned before each launch, both dtypes, both
-value dims, with and without normalisation and initial state; then the public API on the
-kernel backend (jit, vmap, grad through the reference backward)."""
-import math
-
+"""The Based kernels against a float64 naive on the GPU: fresh random inputs, lengths that are
+not multiples of the 64-token chunk, outputs poisoned before each launch, both dtypes, both
+value dims, with and without normalisation and initial state; forward outputs and states, and
+all gradients (q, k, v, initial state) through y and the returned state; then the public API
+on the kernel backend (jit, vmap, grad)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,38 +10,19 @@ import pytest
 
 import tk_jax
 from gpu_util import poison_device_memory, rel_l2
+from naive import naive_based, naive_feature_map
 
 D = 16     # q/k feature dim
 F = 273    # Taylor features: 1 + 16 + 16 * 16
 
 
-# ------------------------------------------------------------------ float64 naive (test oracle)
+# ------------------------------------------------------------------ the float64 naive (tests/naive.py)
 
-def feature_map(x):
-    """[..., 16] -> [..., 273]: 1, x / 16^(1/4), vec(x x^T) / (sqrt(2) sqrt(16))."""
-    pairs = (x[..., :, None] * x[..., None, :]).reshape(x.shape[:-1] + (D * D,))
-    return np.concatenate([np.ones(x.shape[:-1] + (1,)), x / D**0.25, pairs / math.sqrt(2 * D)], axis=-1)
-
-
-def naive_based(q, k, v, s0, z0, *, normalize, eps):
-    """Quadratic causal Based in float64. q, k [B,T,H,16], v [B,T,H,Dv], s0 [B,H,273,Dv] or None,
-    z0 [B,H,273] or None -> y [B,T,H,Dv], S [B,H,273,Dv], z [B,H,273]."""
-    q, k, v = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v))  # [B, H, T, X]
-    s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(D)
-    weights = np.tril(1 + s + s * s / 2)              # [B, H, T, T], keys j <= t only
-    num = weights @ v
-    den = weights.sum(-1)
-    phi_k = feature_map(k)
-    state = phi_k.transpose(0, 1, 3, 2) @ v           # [B, H, 273, Dv]
-    z = phi_k.sum(-2)                                 # [B, H, 273]
-    if s0 is not None:
-        s0, z0 = np.asarray(s0, np.float64), np.asarray(z0, np.float64)
-        phi_q = feature_map(q)
-        num = num + phi_q @ s0
-        den = den + (phi_q @ z0[..., None])[..., 0]
-        state, z = state + s0, z + z0
-    y = num / (den[..., None] + eps) if normalize else num
-    return y.transpose(0, 2, 1, 3), state, z
+def naive(q, k, v, s0, z0, *, normalize, eps):
+    """y [B,T,H,Dv], S [B,H,273,Dv], z [B,H,273] in float64; s0/z0 None for no initial state."""
+    state0 = None if s0 is None else (s0, z0)
+    y, (state, z) = naive_based(q, k, v, normalize=normalize, eps=eps, initial_state=state0)
+    return y, state, z
 
 
 def random_inputs(rng, b, t, h, dv, dtype):
@@ -56,7 +36,7 @@ def random_state(rng, b, h, dv, tokens=40):
     """A state that earlier tokens could have left (so the normaliser stays positive)."""
     k = rng.standard_normal((b, h, tokens, D))
     v = rng.standard_normal((b, h, tokens, dv))
-    phi_k = feature_map(k)
+    phi_k = naive_feature_map(k)
     return ((phi_k.transpose(0, 1, 3, 2) @ v).astype(np.float32), phi_k.sum(-2).astype(np.float32))
 
 
@@ -71,7 +51,7 @@ def kernel_forward(q, k, v, s0, z0, *, normalize, eps=1e-6):
     fn = jax.jit(lambda *xs: _kernels.based_fwd(*xs, normalize=normalize, eps=eps))
     out_bytes = 2 * v.size * v.dtype.itemsize + 4 * (s0.size + z0.size)
     poison_device_memory(2 * out_bytes)
-    y, state, z = fn(*(jnp.asarray(x) for x in (q, k, v, s0, z0)))
+    y, state, z, _ = fn(*(jnp.asarray(x) for x in (q, k, v, s0, z0)))
     return _as64(y), _as64(state), _as64(z)
 
 
@@ -105,7 +85,7 @@ def test_forward_matches_naive(hopper, rng, dtype, dv, t, normalize, with_state)
     else:
         s0, z0 = np.zeros((b, h, F, dv), np.float32), np.zeros((b, h, F), np.float32)
     y, state, z = kernel_forward(q, k, v, s0, z0, normalize=normalize)
-    refs = naive_based(_as64(q), _as64(k), _as64(v), s0 if with_state else None, z0 if with_state else None,
+    refs = naive(_as64(q), _as64(k), _as64(v), s0 if with_state else None, z0 if with_state else None,
                        normalize=normalize, eps=1e-6)
     check_outputs(y, state, z, *refs)
 
@@ -116,7 +96,7 @@ def test_forward_large_eps_and_many_heads(hopper, rng):
     q, k, v = random_inputs(rng, 1, 200, 17, 64, jnp.bfloat16)
     s0, z0 = np.zeros((1, 17, F, 64), np.float32), np.zeros((1, 17, F), np.float32)
     y, state, z = kernel_forward(q, k, v, s0, z0, normalize=True, eps=50.0)
-    check_outputs(y, state, z, *naive_based(_as64(q), _as64(k), _as64(v), None, None, normalize=True, eps=50.0))
+    check_outputs(y, state, z, *naive(_as64(q), _as64(k), _as64(v), None, None, normalize=True, eps=50.0))
 
 
 @pytest.mark.gpu
@@ -137,7 +117,7 @@ def test_forward_state_continues_across_calls(hopper, rng):
     y1, s1, z1 = kernel_forward(q[:, :130], k[:, :130], v[:, :130], *zeros, normalize=True)
     y2, s2, z2 = kernel_forward(q[:, 130:], k[:, 130:], v[:, 130:], s1.astype(np.float32), z1.astype(np.float32),
                                 normalize=True)
-    y_ref, s_ref, z_ref = naive_based(_as64(q), _as64(k), _as64(v), None, None, normalize=True, eps=1e-6)
+    y_ref, s_ref, z_ref = naive(_as64(q), _as64(k), _as64(v), None, None, normalize=True, eps=1e-6)
     check_outputs(np.concatenate([y1, y2], axis=1), s2, z2, y_ref, s_ref, z_ref)
 
 
@@ -160,7 +140,7 @@ def test_ffi_rejects_bad_input(hopper, what):
     qk = jnp.zeros((b, t, h, d), jnp.bfloat16)
     v = jnp.zeros((b, t, h, dv), jnp.bfloat16)
     with pytest.raises(Exception, match="tk_based_fwd"):
-        y, _, _ = _kernels.based_fwd(qk, qk, v, jnp.zeros(s0_shape), jnp.zeros(z0_shape), normalize=True, eps=1e-6)
+        y = _kernels.based_fwd(qk, qk, v, jnp.zeros(s0_shape), jnp.zeros(z0_shape), normalize=True, eps=1e-6)[0]
         y.block_until_ready()
 
 
@@ -177,7 +157,7 @@ def test_public_api_kernel_backend(hopper, rng, dtype):
     poison_device_memory(4 * (v.nbytes + s0.nbytes))
     y, (state, z) = run(*(jnp.asarray(x) for x in (q, k, v, s0, z0)))
     assert y.dtype == dtype and y.shape == v.shape
-    refs = naive_based(_as64(q), _as64(k), _as64(v), s0, z0, normalize=True, eps=1e-6)
+    refs = naive(_as64(q), _as64(k), _as64(v), s0, z0, normalize=True, eps=1e-6)
     check_outputs(_as64(y), _as64(state), _as64(z), *refs)
     # "auto" picks the kernel here and gives the same bits.
     y_auto = jax.jit(lambda q, k, v: tk_jax.based_linear_attention(q, k, v, initial_state=(s0, z0)))(q, k, v)
@@ -186,8 +166,8 @@ def test_public_api_kernel_backend(hopper, rng, dtype):
 
 @pytest.mark.gpu
 def test_public_api_kernel_under_vmap_and_grad(hopper, rng):
-    """vmap folds into the kernel's batch; grad runs the reference backward (no kernel yet) and
-    matches the gradient of the reference backend."""
+    """vmap folds into the kernels' batch (forward and backward) and grad matches the gradient of
+    the reference backend."""
     q, k, v = random_inputs(rng, 3, 150, 2, 64, jnp.bfloat16)  # the leading axis 3 is vmapped
     dy = rng.standard_normal(v.shape).astype(np.float32)
 
@@ -199,7 +179,7 @@ def test_public_api_kernel_under_vmap_and_grad(hopper, rng):
 
     y_vmapped = jax.jit(jax.vmap(lambda q, k, v: tk_jax.based_linear_attention(
         q[None], k[None], v[None], backend="kernel")[0]))(q, k, v)
-    y_ref, _, _ = naive_based(_as64(q), _as64(k), _as64(v), None, None, normalize=True, eps=1e-6)
+    y_ref, _, _ = naive(_as64(q), _as64(k), _as64(v), None, None, normalize=True, eps=1e-6)
     assert rel_l2(_as64(y_vmapped), y_ref) < 1e-2
 
     grads = jax.jit(jax.vmap(jax.grad(loss("kernel"), argnums=(0, 1, 2))))(q, k, v, dy)
@@ -207,6 +187,89 @@ def test_public_api_kernel_under_vmap_and_grad(hopper, rng):
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
         assert np.isfinite(_as64(g)).all(), name
         assert rel_l2(_as64(g), _as64(g_ref)) < 1e-2, (name, rel_l2(_as64(g), _as64(g_ref)))
+
+
+# ------------------------------------------------------------------ the backward kernel
+
+def naive_grads(q, k, v, state0, dy, d_state, d_z, *, normalize, eps):
+    """float64 (dq, dk, dv, dS0, dz0) of sum(dy y) + sum(dS S) + sum(dz z), by autodiff of the
+    naive quadratic form (no chunks, no states but the initial and final ones)."""
+    with jax.enable_x64(True):
+        def loss(q, k, v, state0):
+            y, (s, z) = naive_based(q, k, v, normalize=normalize, eps=eps, initial_state=state0, xp=jnp)
+            return (y * dy).sum() + (s * d_state).sum() + (z * d_z).sum()
+
+        as64 = lambda x: jnp.asarray(x, jnp.float64)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(
+            as64(q), as64(k), as64(v), None if state0 is None else tuple(map(as64, state0)))
+        dq, dk, dv = (np.asarray(g) for g in grads[:3])
+        return dq, dk, dv, None if state0 is None else tuple(np.asarray(g) for g in grads[3])
+
+
+def kernel_grads(q, k, v, state0, dy, d_state, d_z, *, normalize, eps):
+    """The same gradients through the public API on the kernel backend (jit + grad)."""
+    def loss(q, k, v, state0):
+        y, (s, z) = tk_jax.based_linear_attention(q, k, v, normalize=normalize, eps=eps, initial_state=state0,
+                                                  return_state=True, backend="kernel")
+        return (y.astype(jnp.float32) * dy).sum() + (s * d_state).sum() + (z * d_z).sum()
+
+    poison_device_memory(8 * (v.nbytes + q.nbytes) + 3 * d_state.nbytes)
+    args = [jnp.asarray(x) for x in (q, k, v)] + [None if state0 is None else tuple(map(jnp.asarray, state0))]
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    assert all(g.dtype == x.dtype for g, x in zip(grads[:3], (q, k, v)))
+    dq, dk, dv = (_as64(g) for g in grads[:3])
+    return dq, dk, dv, None if state0 is None else tuple(_as64(g) for g in grads[3])
+
+
+BACKWARD_CASES = [(t, dv, normalize, with_state, jnp.bfloat16)
+                  for t in (1, 15, 64, 65, 1000, 4097) for dv in (64, 128)
+                  for normalize, with_state in ((True, False), (False, True), (True, True))]
+BACKWARD_CASES += [(t, 64, True, True, jnp.float16) for t in (65, 1000)]
+BACKWARD_CASES += [(130, 128, False, False, jnp.float16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,dv,normalize,with_state,dtype", BACKWARD_CASES)
+def test_backward_matches_naive(hopper, rng, t, dv, normalize, with_state, dtype):
+    """dq, dk, dv and the initial state's gradients, through y and the returned state."""
+    b, h = (2, 3) if t <= 1000 else (1, 2)
+    q, k, v = random_inputs(rng, b, t, h, dv, dtype)
+    state0 = random_state(rng, b, h, dv) if with_state else None
+    # y's cotangent reaches the kernel in y's dtype: the oracle gets the same rounded values.
+    dy = rng.standard_normal(v.shape).astype(dtype).astype(np.float32)
+    d_state = (1e-2 * rng.standard_normal((b, h, F, dv))).astype(np.float32)
+    d_z = (1e-2 * rng.standard_normal((b, h, F))).astype(np.float32)
+    got = kernel_grads(q, k, v, state0, dy, d_state, d_z, normalize=normalize, eps=1e-6)
+    want = naive_grads(_as64(q), _as64(k), _as64(v), state0, dy, d_state, d_z, normalize=normalize, eps=1e-6)
+    # Errors are relative to each gradient's own size, with a floor of 1e-3 of dv's size where a
+    # true gradient all but vanishes: with one visible token and no state, y_0 = v_0 (1 - eps/den)
+    # moves with q_0 and k_0 only through eps (~1e-6), below fp32 resolution.
+    dv_rows = np.linalg.norm(want[2], axis=-1)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), got[:3], want[:3]):
+        assert np.isfinite(g).all(), f"{name} has NaN/inf"
+        err = np.linalg.norm(g - g_ref) / max(np.linalg.norm(g_ref), 1e-3 * np.linalg.norm(want[2]))
+        assert err < 1e-2, (name, err)
+        # Each token on its own too: a wrong chunk of a long sequence would vanish in the norm.
+        # Rows whose true gradient is ~0 (the first token's q and k when normalised and there is
+        # no initial state) are measured against the typical row.
+        row_norm = np.linalg.norm(g_ref, axis=-1)
+        floor = max(0.05 * np.sqrt(np.mean(row_norm**2)), 1e-3 * np.sqrt(np.mean(dv_rows**2)))
+        row_err = np.linalg.norm(g - g_ref, axis=-1) / np.maximum(row_norm, floor)
+        assert np.median(row_err) < 2e-2 and np.percentile(row_err, 99) < 0.1, (name, row_err.max())
+    if with_state:
+        for name, g, g_ref in zip(("dS0", "dz0"), got[3], want[3]):
+            assert rel_l2(g, g_ref) < 1e-2, (name, rel_l2(g, g_ref))
+
+
+@pytest.mark.gpu
+def test_backward_is_deterministic(hopper, rng):
+    q, k, v = random_inputs(rng, 1, 777, 2, 128, jnp.bfloat16)
+    dy = rng.standard_normal(v.shape).astype(np.float32)
+    zero_state, zero_z = np.zeros((1, 2, F, 128), np.float32), np.zeros((1, 2, F), np.float32)
+    first = kernel_grads(q, k, v, None, dy, zero_state, zero_z, normalize=True, eps=1e-6)
+    second = kernel_grads(q, k, v, None, dy, zero_state, zero_z, normalize=True, eps=1e-6)
+    for a, b in zip(first[:3], second[:3]):
+        np.testing.assert_array_equal(a, b)
 
 
 # ------------------------------------------------------------------ which inputs the kernel takes (CPU)

@@ -1,6 +1,6 @@
 """The pure-JAX Based reference (tk_jax/reference/based.py) against an independent float64 naive.
 
-The naive below is the quadratic form tril(1 + s + s^2/2) V over the whole sequence (no chunks,
+The naive (tests/naive.py) is the quadratic form tril(1 + s + s^2/2) V over the whole sequence (no chunks,
 no scan), with the 273-feature map written out only for the state and the initial-state terms.
 """
 import math
@@ -10,42 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from naive import naive_based, naive_feature_map
 from tk_jax.reference.based import (NUM_FEATURES, based_decode_step_reference, based_forward,
                                     taylor_feature_map)
 
 D = 16  # Based feature dim
-
-
-# ------------------------------------------------------------------ float64 naive (test oracle)
-# Written against the array module `xp`: numpy for outputs (no compile), jax.numpy under
-# jax.enable_x64 where gradients are needed.
-
-def naive_feature_map(x, xp=np):
-    """[..., 16] -> [..., 273]: 1, x_i / 2, x_i x_j / (sqrt(2) * 4)."""
-    ones = xp.ones(x.shape[:-1] + (1,), x.dtype)
-    pairs = xp.einsum("...i,...j->...ij", x, x).reshape(x.shape[:-1] + (D * D,))
-    return xp.concatenate([ones, x / D**0.25, pairs / math.sqrt(2 * D)], axis=-1)
-
-
-def naive_based(q, k, v, *, normalize, eps, initial_state=None, xp=np):
-    """float64 causal Based: q, k [B,T,H,16], v [B,T,H,Dv] -> (y, (S, z))."""
-    q, k, v = (xp.asarray(x, np.float64) for x in (q, k, v))
-    seq_len = q.shape[1]
-    s = xp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(D)
-    weights = (1 + s + s * s / 2) * xp.tril(xp.ones((seq_len, seq_len)))
-    num = xp.einsum("bhts,bshv->bthv", weights, v)
-    den = xp.einsum("bhts->bth", weights)
-    phi_k = naive_feature_map(k, xp)
-    state_s = xp.einsum("bthf,bthv->bhfv", phi_k, v)
-    state_z = xp.einsum("bthf->bhf", phi_k)
-    if initial_state is not None:
-        s0, z0 = (xp.asarray(x, np.float64) for x in initial_state)
-        phi_q = naive_feature_map(q, xp)
-        num = num + xp.einsum("bthf,bhfv->bthv", phi_q, s0)
-        den = den + xp.einsum("bthf,bhf->bth", phi_q, z0)
-        state_s, state_z = state_s + s0, state_z + z0
-    y = num / (den[..., None] + eps) if normalize else num
-    return y, (state_s, state_z)
 
 
 def rel_l2(actual, expected):

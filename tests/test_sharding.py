@@ -82,13 +82,23 @@ def kernel_path(monkeypatch):
 
     def based_fwd(q, k, v, s0, z0, *, normalize, eps):
         y, (s, z) = based_forward(q, k, v, normalize=normalize, eps=eps, initial_state=(s0, z0))
-        return y, s, z
+        # den_t is num_t for a value column of ones (and the state column z).
+        ones = jnp.ones(v.shape[:-1] + (1,), jnp.float32)
+        den, _ = based_forward(q.astype(jnp.float32), k.astype(jnp.float32), ones, normalize=False,
+                               eps=0.0, initial_state=(z0[..., None], z0))
+        return y, s, z, jnp.swapaxes(den[..., 0], 1, 2)
+
+    def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize, eps):
+        def forward(q, k, v, s0, z0):
+            return based_forward(q, k, v, normalize=normalize, eps=eps, initial_state=(s0, z0))
+        return jax.vjp(forward, q, k, v, s0, z0)[1]((dy, (d_state, d_z)))
 
     module = types.ModuleType("tk_jax._kernels")
     module.attention_fwd = attention_fwd
     module.attention_bwd = attention_bwd
     module.attention_kernel_unsupported = lambda q, k, v: None
     module.based_fwd = based_fwd
+    module.based_bwd = based_bwd
     module.based_kernel_unsupported = lambda q, k, v: None
     monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
     monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)

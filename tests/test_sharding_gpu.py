@@ -105,7 +105,7 @@ def test_sharded_jit_matches_one_gpu_without_collectives(gpus, rng, case, causal
 
 
 def test_based_sharded_jit_over_batch_matches_one_gpu_without_collectives(gpus, rng):
-    """The Based forward kernel under a batch-sharded jit (its backward is the reference)."""
+    """The Based forward and backward kernels under a batch-sharded jit."""
     q, k = bf16(rng, (4, 300, 4, 16)), bf16(rng, (4, 300, 4, 16))
     v = bf16(rng, (4, 300, 4, 64))
     do = jnp.asarray(rng.standard_normal(v.shape), jnp.float32)

@@ -90,18 +90,52 @@ def based_kernel_unsupported(q, k, v) -> str | None:
 
 
 def based_fwd(q, k, v, s0, z0, *, normalize: bool, eps: float):
-    """(y, S, z) from the Based forward kernel.
+    """(y, S, z, den) from the Based forward kernel.
 
     q, k [B, T, H, 16], v [B, T, H, Dv], initial state s0 [B, H, 273, Dv] and z0 [B, H, 273]
-    (float32; zeros for none). Returns y [B, T, H, Dv] in v's dtype and the final state
-    S [B, H, 273, Dv], z [B, H, 273] (float32). Under vmap, extra leading axes fold into the
+    (float32; zeros for none). Returns y [B, T, H, Dv] in v's dtype, the final state
+    S [B, H, 273, Dv], z [B, H, 273] and the normaliser den [B, H, T] (without eps; the
+    backward's residual), all float32 but y. Under vmap, extra leading axes fold into the
     batch in C++.
     """
+    *lead, seq_len, heads, _ = v.shape
     out_types = (
         jax.ShapeDtypeStruct(v.shape, v.dtype),
         jax.ShapeDtypeStruct(s0.shape, jnp.float32),
         jax.ShapeDtypeStruct(z0.shape, jnp.float32),
+        jax.ShapeDtypeStruct((*lead, heads, seq_len), jnp.float32),
     )
     call = jax.ffi.ffi_call("tk_based_fwd", out_types, vmap_method="broadcast_all")
     return call(q, k, v, s0.astype(jnp.float32), z0.astype(jnp.float32),
                 normalize=np.int64(1 if normalize else 0), eps=np.float32(eps))
+
+
+BASED_COLUMN_BLOCK = 64  # value columns per block of the backward kernel (cpp: BWD_COLS)
+
+
+def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize: bool, eps: float):
+    """(dq, dk, dv, dS0, dz0) from the Based backward kernel.
+
+    Forward inputs q, k, v, s0, z0 and outputs y, den (from based_fwd); cotangents dy of y and
+    d_state, d_z of the final state. The kernel wants dnum = dy / (den + eps) and the
+    normaliser's cotangent dden = -(dy . y) / (den + eps) per row, prepared here in one fused
+    XLA pass ([B, H, T] each; 1 and 0 without normalisation). It returns dq and dk as float32
+    partial sums per 64-column block of v, added up here.
+    """
+    if normalize:
+        inv_den = 1.0 / (den + eps)
+        dot = jnp.einsum("bthe,bthe->bht", dy.astype(jnp.float32), y.astype(jnp.float32))
+        dden = -dot * inv_den
+    else:
+        inv_den = jnp.ones_like(den)
+        dden = jnp.zeros_like(den)
+    *lead, seq_len, heads, value_dim = v.shape
+    parts = jax.ShapeDtypeStruct(
+        (*lead, seq_len, heads, value_dim // BASED_COLUMN_BLOCK, BASED_FEATURE_DIM), jnp.float32)
+    out_types = (parts, parts, jax.ShapeDtypeStruct(v.shape, v.dtype),
+                 jax.ShapeDtypeStruct(s0.shape, jnp.float32), jax.ShapeDtypeStruct(z0.shape, jnp.float32))
+    call = jax.ffi.ffi_call("tk_based_bwd", out_types, vmap_method="broadcast_all")
+    dq_parts, dk_parts, dv, ds0, dz0 = call(
+        q, k, v, dy.astype(v.dtype), inv_den, dden, s0.astype(jnp.float32), z0.astype(jnp.float32),
+        d_state.astype(jnp.float32), d_z.astype(jnp.float32))
+    return dq_parts.sum(-2).astype(q.dtype), dk_parts.sum(-2).astype(k.dtype), dv, ds0, dz0

@@ -4,9 +4,9 @@
     y, (S, z) = based_linear_attention(q, k, v, return_state=True)       # prefill
     y_t, (S, z) = based_decode_step(q_t, k_t, v_t, (S, z))               # then one token at a time
 
-The math is documented in tk_jax/reference/based.py. On a Hopper GPU the forward runs the
-compiled kernel for supported inputs (bf16/fp16, value dim 64 or 128); the backward always
-recomputes the forward with the pure-JAX reference (there is no backward kernel yet).
+The math is documented in tk_jax/reference/based.py. On a Hopper GPU the forward and backward run
+the compiled kernels for supported inputs (bf16/fp16, value dim 64 or 128); elsewhere the
+pure-JAX reference runs, and its backward recomputes the forward.
 `based_fwd_impl` / `based_bwd_impl` below are the dispatch points.
 """
 from __future__ import annotations
@@ -53,16 +53,14 @@ def based_fwd_impl(q, k, v, initial_state, *, normalize, eps, backend):
         from tk_jax import _kernels, sharding
 
         batch, _, heads, value_dim = v.shape
-        if initial_state is None:  # the kernel always starts from a state: zeros here
-            # zeros_like(v): under shard_map the zeros then vary over devices like the inputs.
-            s0 = jnp.zeros_like(v, jnp.float32, shape=(batch, heads, NUM_FEATURES, value_dim))
-            z0 = jnp.zeros_like(v, jnp.float32, shape=(batch, heads, NUM_FEATURES))
-        else:
-            s0, z0 = initial_state
+        # The kernel always starts from a state: zeros when there is none (zeros_like(v): under
+        # shard_map they vary over devices like the inputs).
+        s0, z0 = initial_state if initial_state is not None else reference._zero_state(v, batch, heads, NUM_FEATURES, value_dim)
         # The partitioning rule lets a sharded jit run the kernel per (batch, head) shard.
         kernel = sharding.partitioned_based_fwd(_kernels.based_fwd)
-        y, s, z = kernel(q, k, v, s0, z0, normalize=normalize, eps=eps)
-        return (y, (s, z)), (q, k, v, initial_state)
+        y, s, z, den = kernel(q, k, v, s0, z0, normalize=normalize, eps=eps)
+        # The backward kernel needs y and the normaliser den ([B, H, T] floats) besides the inputs.
+        return (y, (s, z)), (q, k, v, initial_state, y, den)
     outputs = reference.based_forward(q, k, v, normalize=normalize, eps=eps,
                                       initial_state=initial_state)
     # The reference backward recomputes the forward from the inputs: only the inputs are kept
@@ -71,9 +69,19 @@ def based_fwd_impl(q, k, v, initial_state, *, normalize, eps, backend):
 
 
 def based_bwd_impl(residuals, cotangents, *, normalize, eps, backend):
-    """Backward. cotangents = (dy, (dS, dz)); returns (dq, dk, dv, d_initial_state).
-    Both backends recompute the forward with the reference (no backward kernel yet)."""
-    del backend
+    """Backward. cotangents = (dy, (dS, dz)); returns (dq, dk, dv, d_initial_state)."""
+    dy, (d_state, d_z) = cotangents
+    if backend == "kernel":
+        from tk_jax import _kernels, sharding
+
+        q, k, v, initial_state, y, den = residuals
+        batch, _, heads, value_dim = v.shape
+        s0, z0 = initial_state if initial_state is not None else reference._zero_state(v, batch, heads, NUM_FEATURES, value_dim)
+        kernel = sharding.partitioned_based_bwd(_kernels.based_bwd)
+        dq, dk, dv, ds0, dz0 = kernel(q, k, v, y, den, dy, s0, z0, d_state, d_z,
+                                      normalize=normalize, eps=eps)
+        return dq, dk, dv, (None if initial_state is None else (ds0, dz0))
+
     q, k, v, initial_state = residuals
 
     def forward(q, k, v, initial_state):

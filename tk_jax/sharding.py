@@ -66,8 +66,13 @@ ATTENTION_FWD_LAYOUT = ("b tq hq d, b tk hkv d, b tk hkv e", "b tq hq e, b hq tq
 _BWD_OPERANDS = "b tq hq d, b tk hkv d, b tk hkv e, b tq hq e, b hq tq, b tq hq e"
 ATTENTION_BWD_LAYOUT = (_BWD_OPERANDS, "b tq hq d, b tk hkv d, b tk hkv e")
 ATTENTION_BWD_WITH_DLSE_LAYOUT = (_BWD_OPERANDS + ", b hq tq", ATTENTION_BWD_LAYOUT[1])
-# Based forward: q, k, v, initial S and z -> y, final S and z (f features, n = 273 state rows).
-BASED_FWD_LAYOUT = ("b t hq f, b t hq f, b t hq e, b hq n e, b hq n", "b t hq e, b hq n e, b hq n")
+# Based forward: q, k, v, initial S and z -> y, final S and z, den (f features, n = 273 state rows).
+BASED_FWD_LAYOUT = ("b t hq f, b t hq f, b t hq e, b hq n e, b hq n",
+                    "b t hq e, b hq n e, b hq n, b hq t")
+# Based backward: q, k, v, y, den, dy, S0, z0, dS, dz -> dq, dk, dv, dS0, dz0.
+BASED_BWD_LAYOUT = ("b t hq f, b t hq f, b t hq e, b t hq e, b hq t, b t hq e, "
+                    "b hq n e, b hq n, b hq n e, b hq n",
+                    "b t hq f, b t hq f, b t hq e, b hq n e, b hq n")
 
 _warned: set[str] = set()
 
@@ -316,8 +321,14 @@ def partitioned_attention_fwd(fn):
 
 
 def partitioned_based_fwd(fn):
-    """`fn(q, k, v, s0, z0, *, normalize, eps) -> (y, s, z)` with the batch/head rule."""
+    """`fn(q, k, v, s0, z0, *, normalize, eps) -> (y, s, z, den)` with the batch/head rule."""
     return shard_over_batch_and_heads(fn, *BASED_FWD_LAYOUT)
+
+
+def partitioned_based_bwd(fn):
+    """`fn(q, k, v, y, den, dy, s0, z0, ds, dz, *, normalize, eps) -> (dq, dk, dv, ds0, dz0)`
+    with the batch/head rule."""
+    return shard_over_batch_and_heads(fn, *BASED_BWD_LAYOUT)
 
 
 def partitioned_attention_bwd(fn, *, with_dlse: bool):

@@ -1,5 +1,5 @@
-// XLA FFI handler for the Based linear attention forward: decode the buffers, check them, call
-// the launcher.
+// XLA FFI handlers for Based linear attention, forward and backward: decode the buffers, check
+// them, call the launchers.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -18,6 +18,7 @@ using tk::ffi_util::shape_str;
 namespace {
 
 ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument("tk_based_fwd: " + msg); }
+ffi::Error invalid_bwd(const std::string& msg) { return ffi::Error::InvalidArgument("tk_based_bwd: " + msg); }
 
 // dims == the first `num_lead` dims of q (the folded batch) followed by `tail`.
 bool has_shape(ffi::Span<const int64_t> dims, ffi::Span<const int64_t> q_dims, size_t num_lead,
@@ -32,11 +33,12 @@ bool has_shape(ffi::Span<const int64_t> dims, ffi::Span<const int64_t> q_dims, s
 }
 
 // Inputs q, k [..., T, H, 16], v [..., T, H, Dv], S0 [..., H, 273, Dv] f32, z0 [..., H, 273] f32
-// (leading dims, e.g. from vmap, fold into the batch); outputs y like v, S like S0, z like z0.
+// (leading dims, e.g. from vmap, fold into the batch); outputs y like v, S like S0, z like z0,
+// den [..., H, T] f32 (the normaliser without eps, a residual of the backward).
 ffi::Error BasedForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::Buffer<ffi::F32> state0, ffi::Buffer<ffi::F32> z0, ffi::Result<ffi::AnyBuffer> y,
                         ffi::Result<ffi::Buffer<ffi::F32>> state, ffi::Result<ffi::Buffer<ffi::F32>> z,
-                        int64_t normalize, float eps) {
+                        ffi::Result<ffi::Buffer<ffi::F32>> den, int64_t normalize, float eps) {
   using tk::based::FEATURE_DIM;
   using tk::based::NUM_FEATURES;
   const auto qd = q.dimensions(), vd = v.dimensions();
@@ -62,6 +64,7 @@ ffi::Error BasedForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (!has_shape(z0.dimensions(), qd, lead, {heads, NUM_FEATURES}) ||
       !has_shape(z->dimensions(), qd, lead, {heads, NUM_FEATURES}))
     return invalid("z0 and z must be [..., H, 273] with the leading dims of q");
+  if (!has_shape(den->dimensions(), qd, lead, {heads, seq})) return invalid("den must be [..., H, T]");
 
   const int64_t batch = leading_product(qd, 3);
   if (batch > INT32_MAX || seq > INT32_MAX || heads > INT32_MAX || value_dim > INT32_MAX)
@@ -78,6 +81,7 @@ ffi::Error BasedForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   p.y = y->untyped_data();
   p.state = state->typed_data();
   p.z = z->typed_data();
+  p.den = den->typed_data();
   p.batch = int(batch);
   p.seq = int(seq);
   p.heads = int(heads);
@@ -89,6 +93,77 @@ ffi::Error BasedForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
 
   const cudaError_t err = tk::based::forward(p, stream);
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("tk_based_fwd launch: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+// Inputs q, k [..., T, H, 16], v and dy [..., T, H, Dv], inv_den and dden [..., H, T] f32, S0 and
+// dS [..., H, 273, Dv] f32, z0 and dz [..., H, 273] f32; outputs the partial sums dq_parts and
+// dk_parts [..., T, H, Dv / 64, 16] f32, dv like v, dS0 like S0, dz0 like z0.
+ffi::Error BasedBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dy,
+                         ffi::Buffer<ffi::F32> inv_den, ffi::Buffer<ffi::F32> dden, ffi::Buffer<ffi::F32> state0,
+                         ffi::Buffer<ffi::F32> z0, ffi::Buffer<ffi::F32> d_state, ffi::Buffer<ffi::F32> d_z,
+                         ffi::Result<ffi::Buffer<ffi::F32>> dq_parts, ffi::Result<ffi::Buffer<ffi::F32>> dk_parts,
+                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> d_state0,
+                         ffi::Result<ffi::Buffer<ffi::F32>> d_z0) {
+  using tk::based::FEATURE_DIM;
+  using tk::based::NUM_FEATURES;
+  const auto qd = q.dimensions(), vd = v.dimensions();
+  if (qd.size() < 4) return invalid_bwd("q must have rank >= 4 ([..., T, H, 16]), got " + shape_str(q));
+  const size_t r = qd.size(), lead = r - 3;
+  const int64_t seq = qd[r - 3], heads = qd[r - 2];
+  if (qd[r - 1] != FEATURE_DIM) return invalid_bwd("q must have feature dim 16, got " + shape_str(q));
+  if (!has_shape(k.dimensions(), qd, lead, {seq, heads, FEATURE_DIM})) return invalid_bwd("k must have q's shape");
+  if (vd.size() != r || !has_shape(vd, qd, lead, {seq, heads, vd[r - 1]}))
+    return invalid_bwd("v must be [..., T, H, Dv] with q's [..., T, H], got " + shape_str(v));
+  const int64_t value_dim = vd[r - 1];
+  if (value_dim != 64 && value_dim != 128) return invalid_bwd("v's last axis must be 64 or 128");
+  const auto dtype = q.element_type();
+  if (dtype != ffi::BF16 && dtype != ffi::F16) return invalid_bwd("q must be bf16 or fp16");
+  if (k.element_type() != dtype || v.element_type() != dtype || dy.element_type() != dtype ||
+      dv->element_type() != dtype)
+    return invalid_bwd("q, k, v, dy and dv must share one dtype");
+  if (!has_shape(dy.dimensions(), qd, lead, {seq, heads, value_dim}) ||
+      !has_shape(dv->dimensions(), qd, lead, {seq, heads, value_dim}))
+    return invalid_bwd("dy and dv must have v's shape");
+  if (!has_shape(inv_den.dimensions(), qd, lead, {heads, seq}) || !has_shape(dden.dimensions(), qd, lead, {heads, seq}))
+    return invalid_bwd("inv_den and dden must be [..., H, T]");
+  for (auto dims : {state0.dimensions(), d_state.dimensions(), d_state0->dimensions()})
+    if (!has_shape(dims, qd, lead, {heads, NUM_FEATURES, value_dim}))
+      return invalid_bwd("S0, dS and dS0 must be [..., H, 273, Dv]");
+  for (auto dims : {z0.dimensions(), d_z.dimensions(), d_z0->dimensions()})
+    if (!has_shape(dims, qd, lead, {heads, NUM_FEATURES})) return invalid_bwd("z0, dz and dz0 must be [..., H, 273]");
+  const int64_t column_blocks = value_dim / 64;
+  if (!has_shape(dq_parts->dimensions(), qd, lead, {seq, heads, column_blocks, FEATURE_DIM}) ||
+      !has_shape(dk_parts->dimensions(), qd, lead, {seq, heads, column_blocks, FEATURE_DIM}))
+    return invalid_bwd("dq_parts and dk_parts must be [..., T, H, Dv / 64, 16]");
+  const int64_t batch = leading_product(qd, 3);
+  if (batch > INT32_MAX || seq > INT32_MAX || heads > INT32_MAX) return invalid_bwd("dimensions too large");
+
+  tk::based::BackwardParams p{};
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.dy = dy.untyped_data();
+  p.inv_den = inv_den.typed_data();
+  p.dden = dden.typed_data();
+  p.state0 = state0.typed_data();
+  p.z0 = z0.typed_data();
+  p.d_state = d_state.typed_data();
+  p.d_z = d_z.typed_data();
+  p.dq_parts = dq_parts->typed_data();
+  p.dk_parts = dk_parts->typed_data();
+  p.dv = dv->untyped_data();
+  p.d_state0 = d_state0->typed_data();
+  p.d_z0 = d_z0->typed_data();
+  p.batch = int(batch);
+  p.seq = int(seq);
+  p.heads = int(heads);
+  p.value_dim = int(value_dim);
+  p.dtype = dtype == ffi::BF16 ? tk::based::DType::bf16 : tk::based::DType::fp16;
+  if (const char* why = tk::based::backward_unsupported(p)) return invalid_bwd(why);
+
+  const cudaError_t err = tk::based::backward(p, stream);
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("tk_based_bwd launch: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
 }
 
@@ -105,5 +180,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_fwd, BasedForward,
                                   .Ret<ffi::AnyBuffer>()          // y
                                   .Ret<ffi::Buffer<ffi::F32>>()   // S
                                   .Ret<ffi::Buffer<ffi::F32>>()   // z
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // den
                                   .Attr<int64_t>("normalize")     // 0 or 1
                                   .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_bwd, BasedBackward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k
+                                  .Arg<ffi::AnyBuffer>()          // v
+                                  .Arg<ffi::AnyBuffer>()          // dy
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // inv_den
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dden
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // S0
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // z0
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dS
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dz
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dq_parts
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dk_parts
+                                  .Ret<ffi::AnyBuffer>()          // dv
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dS0
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // dz0

@@ -25,6 +25,7 @@ struct ForwardParams {
   void* y;              // [batch, seq, heads, value_dim], v's dtype
   float* state;         // [batch, heads, 273, value_dim]: S after the last token
   float* z;             // [batch, heads, 273]
+  float* den;           // [batch, heads, seq]: den_t (without eps), kept for the backward
   int batch, seq, heads, value_dim;
   bool normalize;
   float eps;            // added to the normaliser when normalize
@@ -36,5 +37,38 @@ const char* forward_unsupported(const ForwardParams& p);
 
 // Launches on `stream` only; never synchronises. Returns the launch status.
 cudaError_t forward(const ForwardParams& p, cudaStream_t stream);
+
+// The backward, given dy and the cotangents dS, dz of the final state. Write v' = [v, 1] and
+// S' = [S, z], so that [num_t, den_t] = phi(q_t) . S'_t with S'_t = S'0 + sum_{j<=t} phi(k_j) v'_j^T.
+// With dnum'_t = [dy_t, 0] * inv_den_t + [0, dden_t] (inv_den = 1 / (den + eps) and
+// dden = -(dy . y) inv_den when normalised; 1 and 0 otherwise, prepared by the caller):
+//   dphi(q_t) = S'_t dnum'_t                                    -> dq (a forward sweep)
+//   R'_j      = [dS, dz] + sum_{t>=j} phi(q_t) dnum'_t^T
+//   dphi(k_j) = R'_j v'_j,  dv_j = R_j^T phi(k_j)               -> dk, dv (a reverse sweep)
+//   dS0, dz0  = R'_0
+// dq and dk come out as float32 partial sums, one per 64-column block of v; the caller adds
+// them up (a single block when Dv = 64).
+struct BackwardParams {
+  const void* q;          // [batch, seq, heads, 16]
+  const void* k;          // [batch, seq, heads, 16]
+  const void* v;          // [batch, seq, heads, value_dim]
+  const void* dy;         // [batch, seq, heads, value_dim], v's dtype
+  const float* inv_den;   // [batch, heads, seq]
+  const float* dden;      // [batch, heads, seq]
+  const float* state0;    // [batch, heads, 273, value_dim]: S0 of the forward
+  const float* z0;        // [batch, heads, 273]
+  const float* d_state;   // [batch, heads, 273, value_dim]: cotangent of the final S
+  const float* d_z;       // [batch, heads, 273]
+  float* dq_parts;        // [batch, seq, heads, value_dim / 64, 16]
+  float* dk_parts;        // [batch, seq, heads, value_dim / 64, 16]
+  void* dv;               // [batch, seq, heads, value_dim], v's dtype
+  float* d_state0;        // [batch, heads, 273, value_dim]
+  float* d_z0;            // [batch, heads, 273]
+  int batch, seq, heads, value_dim;
+  DType dtype;
+};
+
+const char* backward_unsupported(const BackwardParams& p);
+cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
 
 }  // namespace tk::based

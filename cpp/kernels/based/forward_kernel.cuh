@@ -11,7 +11,7 @@
 //   2. each warp takes 16 query rows and 32 value columns:
 //        A     = tril(1 + s + s^2 / 2), s = Q K^T / 4, keys past the sequence masked out
 //        num   = A V + phi(Q) S_prev          den = rowsum(A) + phi(Q) . z_prev   (fp32)
-//        y     = num / (den + eps)  (or num)  straight to global memory
+//        y     = num / (den + eps)  (or num)  straight to global memory; den to global too
 //   3. S^T += V^T phi(K) (each warp owns a 16 x 144 piece of S^T) and z += colsum(phi(K)),
 //      the latter from K^T K, colsum(K) and the token count, which are exact in fp32.
 // phi(Q) is never stored: a warp builds each 16-feature tile of it in registers as mma's A
@@ -24,8 +24,7 @@
 // sequence across blocks (a two-pass scan of chunk states); this one keeps the simple walk.
 #pragma once
 
-#include "../../kittens/kittens.cuh"
-#include "based.h"
+#include "features.cuh"
 
 namespace tk::based {
 
@@ -33,34 +32,17 @@ using namespace kittens;
 
 constexpr int FWD_WARPS = 8;
 constexpr int FWD_THREADS = FWD_WARPS * WARP_THREADS;
-constexpr int CHUNK = 64;                         // tokens per step of the walk
 constexpr int V_BLOCK = 64;                       // value columns per block
 constexpr int ROW_STRIPS = CHUNK / 16;            // 16-row query strips per chunk
 constexpr int V_SPLIT = FWD_WARPS / ROW_STRIPS;   // warps sharing a strip split its columns
 constexpr int V_WARP = V_BLOCK / V_SPLIT;         // value columns of y per warp
 constexpr int V_TILES = V_BLOCK / 16;             // 16-row tiles of S^T
-constexpr int FEATURE_TILES = 18;                 // 273 features padded to 288
-constexpr int PADDED_FEATURES = 16 * FEATURE_TILES;
 constexpr int UPDATE_TILES = FEATURE_TILES / (FWD_WARPS / V_TILES);  // feature tiles of S^T per warp
 // Floats per row of S^T in shared memory. The 8 extra floats put the 8 rows a fragment touches
 // in different banks (row r starts at bank 8 r mod 32), so float2 accesses are conflict-free.
 constexpr int STATE_STRIDE = PADDED_FEATURES + 8;
 static_assert(FWD_WARPS % ROW_STRIPS == 0 && V_BLOCK % (16 * V_SPLIT) == 0, "warp split of y");
 static_assert(FWD_WARPS % V_TILES == 0 && FEATURE_TILES % (FWD_WARPS / V_TILES) == 0, "warp split of S");
-
-// Feature order inside the kernel (chosen so that every 16-feature tile has one formula):
-//   [0, 256)   second order x_a x_b / (4 sqrt 2) at 16 a + b     (external 17 + 16 a + b)
-//   [256, 272) first order x_i / 2 at 256 + i                    (external 1 + i)
-//   272        the constant 1                                     (external 0)
-//   [273, 288) zero padding
-// The global S and z use the external order of tk_jax/reference/based.py.
-constexpr int LINEAR_FEATURES = 256, CONST_FEATURE = 272;
-constexpr float SECOND_ORDER_SCALE = 0.17677669529663687f;  // 1 / (sqrt(2) sqrt(16))
-constexpr float FIRST_ORDER_SCALE = 0.5f;                    // 1 / 16^(1/4)
-
-__device__ __forceinline__ int internal_feature(int external) {
-  return external == 0 ? CONST_FEATURE : external < 17 ? LINEAR_FEATURES + external - 1 : external - 17;
-}
 
 template <typename T>
 struct forward_shared {
@@ -70,113 +52,6 @@ struct forward_shared {
   float state[V_BLOCK * STATE_STRIDE];   // S^T: state[v * STATE_STRIDE + f]
   float z[PADDED_FEATURES];
 };
-
-// The 16 values of row r of a [rows x 16] tile, as floats (two 16-byte pieces).
-template <typename T, int R>
-__device__ __forceinline__ void load_row(float (&out)[FEATURE_DIM], const st<T, R, FEATURE_DIM>& tile, int r) {
-#pragma unroll
-  for (int piece = 0; piece < 2; piece++) {
-    const int4 raw = *reinterpret_cast<const int4*>(tile.ptr(r, 8 * piece));
-    const packed_t<T>* pairs = reinterpret_cast<const packed_t<T>*>(&raw);
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-      const float2 f = unpack(pairs[j]);
-      out[8 * piece + 2 * j] = f.x;
-      out[8 * piece + 2 * j + 1] = f.y;
-    }
-  }
-}
-
-// The 16 x 16 tile of `src` at (row0, col0), transposed, as a row-layout tile (an A operand
-// X^T). ldmatrix.trans into the col layout already puts exactly those values in each lane:
-// a col-layout tile of X holds the pairs (k = 2c..2c+1, n = g) that a row-layout tile of X^T
-// holds as (row g, cols 2c..2c+1), in the same register order.
-template <typename T, int SR, int SC>
-__device__ __forceinline__ void load_transposed(rt_base<T, layout::row>& dst, const st<T, SR, SC>& src, int row0,
-                                                int col0) {
-  rt<T, 16, 16, layout::col> t;
-  load(t, src, row0, col0);
-#pragma unroll
-  for (int r = 0; r < 4; r++) dst.data[r] = t.tiles[0][0].data[r];
-}
-
-// Step 1: phi(K) of the chunk, 8 features (one 16-byte piece) per thread and iteration.
-template <typename T>
-__device__ __forceinline__ void build_key_features(st<T, CHUNK, PADDED_FEATURES>& phi,
-                                                   const st<T, CHUNK, FEATURE_DIM>& k, int real_tokens) {
-  constexpr int pieces_per_row = PADDED_FEATURES / 8;
-  for (int i = threadIdx.x; i < CHUNK * pieces_per_row; i += FWD_THREADS) {
-    const int t = i / pieces_per_row, f0 = (i % pieces_per_row) * 8;
-    float out[8];
-    if (t >= real_tokens) {  // past the end of the sequence: no key at all
-#pragma unroll
-      for (int j = 0; j < 8; j++) out[j] = 0.f;
-    } else if (f0 < LINEAR_FEATURES) {  // k_a k_b for b = b0 .. b0 + 7
-      const int a = f0 / 16, b0 = f0 % 16;
-      const float ka = to_float(*k.ptr(t, a)) * SECOND_ORDER_SCALE;
-      const int4 raw = *reinterpret_cast<const int4*>(k.ptr(t, b0));
-      const packed_t<T>* pairs = reinterpret_cast<const packed_t<T>*>(&raw);
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        const float2 kb = unpack(pairs[j]);
-        out[2 * j] = ka * kb.x;
-        out[2 * j + 1] = ka * kb.y;
-      }
-    } else if (f0 < CONST_FEATURE) {  // k_i / 2 for i = f0 - 256 .. + 7
-      const int4 raw = *reinterpret_cast<const int4*>(k.ptr(t, f0 - LINEAR_FEATURES));
-      const packed_t<T>* pairs = reinterpret_cast<const packed_t<T>*>(&raw);
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        const float2 ki = unpack(pairs[j]);
-        out[2 * j] = ki.x * FIRST_ORDER_SCALE;
-        out[2 * j + 1] = ki.y * FIRST_ORDER_SCALE;
-      }
-    } else {  // the constant feature, then zero padding
-#pragma unroll
-      for (int j = 0; j < 8; j++) out[j] = f0 + j == CONST_FEATURE ? 1.f : 0.f;
-    }
-    int4 packed_out;
-    packed_t<T>* dst = reinterpret_cast<packed_t<T>*>(&packed_out);
-#pragma unroll
-    for (int j = 0; j < 4; j++) dst[j] = pack<T>(out[2 * j], out[2 * j + 1]);
-    *reinterpret_cast<int4*>(phi.ptr(t, f0)) = packed_out;
-  }
-}
-
-// The 16-feature tiles of phi(Q) for a warp's 16 query rows, as bf16 A operands, built from
-// the row-layout fragment q of Q (row g + 8 (r & 1), columns 2c + 8 (r >> 1) + {0, 1} in
-// data[r]): those columns are the x_b of every tile.
-// Second-order tile a: x_a x_b / (4 sqrt 2); xa[h] is x_a of this lane's row g + 8 h.
-template <typename T>
-__device__ __forceinline__ rt<bf16, 16, 16> second_order_tile(const float (&xa)[2], const rt<T, 16, FEATURE_DIM>& q) {
-  rt<bf16, 16, 16> phi;
-#pragma unroll
-  for (int r = 0; r < 4; r++) {
-    const float2 xb = unpack(q.tiles[0][0].data[r]);
-    const float scaled_xa = xa[r & 1] * SECOND_ORDER_SCALE;
-    phi.tiles[0][0].data[r] = pack<bf16>(scaled_xa * xb.x, scaled_xa * xb.y);
-  }
-  return phi;
-}
-// First-order tile: x_b / 2.
-template <typename T>
-__device__ __forceinline__ rt<bf16, 16, 16> first_order_tile(const rt<T, 16, FEATURE_DIM>& q) {
-  rt<bf16, 16, 16> phi;
-#pragma unroll
-  for (int r = 0; r < 4; r++) {
-    const float2 xb = unpack(q.tiles[0][0].data[r]);
-    phi.tiles[0][0].data[r] = pack<bf16>(xb.x * FIRST_ORDER_SCALE, xb.y * FIRST_ORDER_SCALE);
-  }
-  return phi;
-}
-// Last tile: feature 272 = 1 in column 0 (lanes with c = 0, data[0] and data[1]), then padding.
-__device__ __forceinline__ rt<bf16, 16, 16> constant_tile() {
-  rt<bf16, 16, 16> phi;
-  const float one = (laneid() & 3) == 0 ? 1.f : 0.f;
-#pragma unroll
-  for (int r = 0; r < 4; r++) phi.tiles[0][0].data[r] = pack<bf16>(r < 2 ? one : 0.f, 0.f);
-  return phi;
-}
 
 // Rows [f0, f0 + 16) x columns [n0, n0 + N) of S (stored transposed, float32) as a bf16 B
 // operand: data[0] = (f 2c..2c+1, n g), data[1] = (f 2c.., n g + 8), data[2] / data[3] the
@@ -245,34 +120,6 @@ __device__ __forceinline__ void add_to_state(float* state, const rt_fl<16, 16>& 
   }
 }
 
-// Step 3b (one warp): z += colsum(phi(K)) over the chunk's real keys, computed from the keys
-// themselves so that it is exact in fp32: the second-order part is the Gram matrix K^T K, the
-// first-order part colsum(K), the constant part the number of real keys (padded keys are zero
-// rows of K, so they add nothing to the first two).
-template <typename T>
-__device__ __forceinline__ void update_normaliser(float* z, const st<T, CHUNK, FEATURE_DIM>& k, int real_tokens) {
-  rt<T, 16, CHUNK> k_t;                        // K^T [16 features x 64 tokens]
-  rt<T, 16, CHUNK> ones;                       // all ones: ones @ K puts colsum(K) in every row
-  rt<T, CHUNK, FEATURE_DIM, layout::col> k_b;  // K as the B operand
-#pragma unroll
-  for (int kt = 0; kt < CHUNK / 16; kt++) {
-    load_transposed(k_t.tiles[0][kt], k, 16 * kt, 0);
-#pragma unroll
-    for (int r = 0; r < 4; r++) ones.tiles[0][kt].data[r] = pack<T>(1.f, 1.f);
-  }
-  load(k_b, k, 0, 0);
-  rt_fl<16, 16> gram, colsum;
-  zero(gram);
-  zero(colsum);
-  mma_AB(gram, k_t, k_b, gram);
-  mma_AB(colsum, ones, k_b, colsum);
-  for_each(gram, [&](float& x, int a, int b) { z[16 * a + b] += x * SECOND_ORDER_SCALE; });
-  for_each(colsum, [&](float& x, int row, int i) {
-    if (row == 0) z[LINEAR_FEATURES + i] += x * FIRST_ORDER_SCALE;
-  });
-  if (laneid() == 0) z[CONST_FEATURE] += float(real_tokens);
-}
-
 template <typename T>
 __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_constant__ ForwardParams p) {
   extern __shared__ char smem_raw[];
@@ -331,7 +178,7 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
     }
 
     // 1. phi(K) for the state update.
-    build_key_features(s.phi_k, s.k[stage], real_tokens);
+    build_features<FWD_THREADS>(s.phi_k, s.k[stage], real_tokens);
 
     // 2. y for this warp's 16 rows and V_WARP columns.
     {
@@ -349,10 +196,13 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
         const float sc = 0.25f * x;
         x = (key <= row0 + r && key < real_tokens) ? 1.f + sc + 0.5f * sc * sc : 0.f;
       });
-      row_vec<16> den;
-      row_sum(den, weights);
+      // The tensor cores see the weights rounded to 16 bits; the normaliser sums the same
+      // rounded values, so that y is exactly a weighted mean (y = v when one key is visible).
       rt<T, 16, CHUNK> weights16;
       copy(weights16, weights);
+      copy(weights, weights16);
+      row_vec<16> den;
+      row_sum(den, weights);
       rt<T, CHUNK, V_WARP, layout::col> v;
       load(v, s.v[stage], 0, V_WARP * v_part);
       rt_fl<16, V_WARP> y;
@@ -378,6 +228,14 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
       add_state_term(16, first_order_tile(q));
       add_state_term(17, constant_tile());
 
+      // The normaliser is a residual of the backward (y = num / (den + eps)); one warp per
+      // row strip writes it, lane c = 0 of each quad for rows g and g + 8.
+      if (v_block == 0 && v_part == 0 && (laneid() & 3) == 0)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+          const int t = t0 + row0 + (laneid() >> 2) + 8 * hh;
+          if (t < p.seq) p.den[head * p.seq + t] = den.data[0][hh];
+        }
       if (p.normalize) {
         const float eps = p.eps;
         map(den, [=](float d) { return 1.f / (d + eps); });
@@ -402,7 +260,7 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
         mma_AB(acc, v_t, phi, acc);
         add_to_state(s.state, acc, state_rows, f0);
       }
-      if (warp == FWD_WARPS - 1) update_normaliser(s.z, s.k[stage], real_tokens);
+      if (warp == FWD_WARPS - 1) accumulate_feature_sums(s.z, s.k[stage], nullptr, real_tokens);
     }
   }
   __syncthreads();  // the last update is complete

@@ -1,0 +1,22 @@
+// Checks and dispatch for the Based backward launcher.
+#include "backward_kernel.cuh"
+#include "based.h"
+
+namespace tk::based {
+
+const char* backward_unsupported(const BackwardParams& p) {
+  if (!p.q || !p.k || !p.v || !p.dy || !p.inv_den || !p.dden || !p.state0 || !p.z0 || !p.d_state || !p.d_z ||
+      !p.dq_parts || !p.dk_parts || !p.dv || !p.d_state0 || !p.d_z0)
+    return "a buffer pointer is null";
+  if (p.batch < 1 || p.seq < 1 || p.heads < 1) return "batch, sequence length and heads must be >= 1";
+  if (p.value_dim != 64 && p.value_dim != 128) return "value_dim (v's last axis) must be 64 or 128";
+  if (p.batch > 65535 || p.heads > 65535) return "batch and heads must be <= 65535 (grid limits)";
+  return nullptr;
+}
+
+cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
+  if (backward_unsupported(p)) return cudaErrorInvalidValue;
+  return p.dtype == DType::bf16 ? launch_backward<bf16>(p, stream) : launch_backward<half>(p, stream);
+}
+
+}  // namespace tk::based
