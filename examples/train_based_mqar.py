@@ -106,6 +106,9 @@ class TrainConfig:
     num_kv_pairs: int = 16
     vocab_size: int = 8192
     d_model: int = 128
+    # Head dim of the Based and sliding-window layers (d_model / head_dim heads each); the
+    # kernels take 64 or 128.
+    head_dim: int = 64
     layers: int = 2
     steps: int = 10000
     batch_size: int = 64
@@ -132,7 +135,8 @@ TINY = dict(seq_len=64, num_kv_pairs=4, vocab_size=128, d_model=64, layers=2, st
 def build_model(cfg: TrainConfig, backend: str) -> BasedLM:
     model_cfg = BasedConfig(
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, num_layers=cfg.layers,
-        based_heads=1, based_output_norm=cfg.based_norm, swa_window=32,
+        based_heads=cfg.d_model // cfg.head_dim, based_output_norm=cfg.based_norm,
+        swa_heads=cfg.d_model // cfg.head_dim, swa_window=32,
         mlp_hidden_dim=2 * cfg.d_model,
         dtype=jnp.dtype(cfg.dtype), backend=backend)
     return BasedLM(model_cfg, rngs=nnx.Rngs(cfg.seed))
@@ -232,6 +236,9 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             history["eval_accs"].append((step + 1, float(eval_acc)))
             bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(acc):.3f}",
                             eval_acc=f"{float(eval_acc):.3f}")
+            if progress:
+                bar.write(f"step {step + 1}: loss {float(loss):.4f}, eval query accuracy "
+                          f"{float(eval_acc):.4f}")
             if cfg.target_acc is not None and eval_acc >= cfg.target_acc:
                 bar.write(f"reached query accuracy {float(eval_acc):.4f} >= {cfg.target_acc} "
                           f"at step {step + 1}")
@@ -287,6 +294,8 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
     p.add_argument("--num-kv-pairs", type=int, help=f"key-value pairs ({defaults.num_kv_pairs})")
     p.add_argument("--vocab-size", type=int, help=f"vocabulary ({defaults.vocab_size})")
     p.add_argument("--d-model", type=int, help=f"model width ({defaults.d_model})")
+    p.add_argument("--head-dim", type=int,
+                   help=f"head dim of the Based and attention layers ({defaults.head_dim})")
     p.add_argument("--layers", type=int, help=f"layers ({defaults.layers})")
     p.add_argument("--steps", type=int, help=f"training steps ({defaults.steps})")
     p.add_argument("--batch-size", type=int, help=f"batch size ({defaults.batch_size})")
@@ -319,6 +328,9 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
         given = getattr(args, field, None)
         if given is not None:
             values[field] = given
+    if values["d_model"] % values["head_dim"]:
+        p.error(f"--d-model ({values['d_model']}) must be a multiple of --head-dim "
+                f"({values['head_dim']})")
     return TrainConfig(**values), args
 
 
