@@ -299,18 +299,7 @@ def test_ring_attention_matches_flash_attention(rng, causal, load_balanced, devi
     assert_all_close(run_in_layout(compiled, load_balanced, devices, q, k, v, do), expected)
 
 
-def test_ring_attention_kernel_path_is_refused_until_fixed(kernel_path):
-    """On GPU the ring over the kernel custom calls crashed (see ring_attention): the kernel
-    route must raise a clear error, and "auto" must take the reference."""
-    mesh = mesh_of((2,), ("seq",))
-    q = jnp.ones((1, 8, 2, 8), jnp.bfloat16)
-    with pytest.raises(ValueError, match="^ring_attention: backend='kernel' is disabled"):
-        jax.eval_shape(ring(mesh, "seq", causal=False, load_balanced=False, backend=kernel_path), q, q, q)
-    jax.eval_shape(ring(mesh, "seq", causal=False, load_balanced=False, backend="auto"), q, q, q)
-
-
-def test_ring_attention_eight_devices_bf16_kernel_path(kernel_path, rng, monkeypatch):
-    monkeypatch.setattr(sharding, "_RING_KERNEL_PATH", True)  # the route itself, with stand-ins
+def test_ring_attention_eight_devices_bf16_kernel_path(kernel_path, rng):
     mesh = mesh_of((8,), ("seq",))
     q, k, v, do = random_arrays(rng, (1, 32, 2, 16), (1, 32, 1, 16), (1, 32, 1, 16),
                                 (1, 32, 2, 16), dtype=jnp.bfloat16)

@@ -157,10 +157,8 @@ def test_ring_attention_matches_one_gpu(gpus, rng, causal):
     mesh = Mesh(np.array(gpus), ("seq",))
     spec = P(None, "seq")
     load_balanced = causal  # the layout only matters for causal attention
-    # The ring's kernel route is switched off (it crashed here; see ring_attention): "auto"
-    # runs the reference blocks, still split over both GPUs, against the one-GPU kernel.
     attend = functools.partial(tk_jax.ring_attention, axis_name="seq", causal=causal,
-                               load_balanced=load_balanced, backend="auto")
+                               load_balanced=load_balanced, backend="kernel")
     ring = sharding.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
     # Load-balanced layout: reorder the sequence before the split, and the results after.

@@ -86,34 +86,40 @@ def choose_backend(q, k, v, backend: str, *, op: str = OP) -> str:
 # The two halves of the computation, for rank-4 inputs and a resolved backend.
 
 
-def attention_fwd_impl(q, k, v, *, scale, window_left, window_right, backend):
-    """(o [B, Tq, Hq, D] in q's dtype, lse [B, Hq, Tq] float32) from the chosen backend."""
+def attention_fwd_impl(q, k, v, *, scale, window_left, window_right, backend, local=False):
+    """(o [B, Tq, Hq, D] in q's dtype, lse [B, Hq, Tq] float32) from the chosen backend.
+
+    local=True: the arrays are already this device's shards (inside shard_map, as in ring
+    attention) and the kernel is called directly, without the partitioning rule."""
     _check_resolved(backend)
     if backend == "kernel":
         from tk_jax import _kernels, sharding
         # The kernel sees whole arrays; the partitioning rule lets a sharded jit run it once per
         # device on the local (batch, head) shard. (The reference needs no rule: XLA splits
         # plain JAX by itself.)
-        kernel = sharding.partitioned_attention_fwd(_kernels.attention_fwd)
+        kernel = (sharding.on_local_shards if local else sharding.partitioned_attention_fwd)(
+            _kernels.attention_fwd)
         return kernel(q, k, v, scale=scale, window_left=window_left, window_right=window_right)
     return reference_attention.attention_forward(q, k, v, scale=scale, window_left=window_left,
                                                  window_right=window_right)
 
 
 def attention_bwd_impl(q, k, v, o, lse, do, *, scale, window_left, window_right, backend,
-                       dlse=None):
+                       dlse=None, local=False):
     """(dq, dk, dv) in the dtypes of q, k, v for output cotangent `do` and, optionally, the
     cotangent `dlse` [B, Hq, Tq] of lse (None: lse is not differentiated, which is cheaper).
 
     The one dispatch point for the backward; backend="kernel" runs the backward kernel under
-    the partitioning rule. o and lse are used as given (ring attention passes the global ones).
+    the partitioning rule (not with local=True, as in attention_fwd_impl). o and lse are used as
+    given (ring attention passes the global ones).
     """
     _check_resolved(backend)
     window = dict(scale=scale, window_left=window_left, window_right=window_right)
     if backend == "kernel":
         from tk_jax import _kernels, sharding
-        backward = sharding.partitioned_attention_bwd(_kernels.attention_bwd,
-                                                      with_dlse=dlse is not None)
+        backward = (sharding.on_local_shards(_kernels.attention_bwd) if local else
+                    sharding.partitioned_attention_bwd(_kernels.attention_bwd,
+                                                       with_dlse=dlse is not None))
         return backward(q, k, v, o, lse, do, *(() if dlse is None else (dlse,)), **window)
     return _reference_backward(q, k, v, o, lse, do, dlse, **window)
 

@@ -315,6 +315,17 @@ def _mesh_size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
+def on_local_shards(fn):
+    """`fn` where its arrays are already this device's shards (inside shard_map): called
+    directly, without a partitioning rule, its results typed as varying like the inputs.
+    Ring attention calls the kernels this way: with the custom_partitioning wrapper inside the
+    ring's loop, XLA's GPU compiler crashed (segfault, jax 0.11.2)."""
+    @functools.wraps(fn)
+    def call(*arrays, **static):
+        return _vary_like(tuple(fn(*arrays, **static)), arrays)
+    return call
+
+
 def partitioned_attention_fwd(fn):
     """`fn(q, k, v, *, scale, window_left, window_right) -> (o, lse)` with the batch/head rule."""
     return shard_over_batch_and_heads(fn, *ATTENTION_FWD_LAYOUT)
@@ -357,11 +368,10 @@ def partitioned_attention_bwd(fn, *, with_dlse: bool):
 #
 # Invisible work is skipped with lax.switch (the branch is chosen per device at run time), not
 # computed and discarded. Steps are numbered with src < r as "earlier" and src > r as "later".
+# The kernels are called on the local blocks directly (on_local_shards), not through the
+# partitioning rule.
 
 RING_OP = "ring_attention"
-# Whether ring attention may call the kernels (see ring_attention). Tests on CPU switch it on
-# to exercise the kernel route with reference stand-ins.
-_RING_KERNEL_PATH = False
 _DIAGONAL, _EARLIER, _LATER = 0, 1, 2
 
 
@@ -409,15 +419,7 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None, back
 
     batch_shape = q.shape[:-3]
     q4, k4, v4 = (attention._fold_batch_dims(x) for x in (q, k, v))
-    # The kernel path is switched off: on 2 H100/H200 GPUs (jax 0.11.2) a ring over the kernel
-    # custom calls crashed the process (segfault while compiling or running), with or without
-    # the partitioning rule and command buffers. Until that is understood, ring attention runs
-    # the reference blocks; backend="kernel" says so instead of crashing.
-    resolved = attention.choose_backend(q4, k4, v4, "reference" if backend == "auto" else backend,
-                                        op=RING_OP)
-    if resolved == "kernel" and not _RING_KERNEL_PATH:
-        raise ValueError(f"{RING_OP}: backend='kernel' is disabled for ring attention: it crashed "
-                         f"on GPU (see tk_jax/sharding.py); use backend='reference' or 'auto'")
+    resolved = attention.choose_backend(q4, k4, v4, backend, op=RING_OP)
     o = _ring(q4, k4, v4, axis_name, scale, bool(causal), balanced, resolved)
     return o.reshape(batch_shape + o.shape[1:])
 
@@ -470,6 +472,19 @@ def _merge(o_acc, lse_acc, o, lse):
     return weight(lse_acc) * o_acc + weight(lse) * o.astype(jnp.float32), lse_new
 
 
+def _replace_rows(x, rows, new, *, axis):
+    """x with the positions `rows` along `axis` (a slice: all, or one contiguous part) replaced
+    by `new`. Built from slices and a concatenation rather than x.at[rows].set(new): on GPU
+    (jax 0.11.2) the scatter that .at[] becomes inside the ring's manual shard_map region
+    crashed XLA's partitioner."""
+    start, stop, _ = rows.indices(x.shape[axis])
+    if (start, stop) == (0, x.shape[axis]):
+        return new
+    parts = (lax.slice_in_dim(x, 0, start, axis=axis), new,
+             lax.slice_in_dim(x, stop, x.shape[axis], axis=axis))
+    return jnp.concatenate([p for p in parts if p.shape[axis]], axis=axis)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _ring(q, k, v, axis_name, scale, causal, balanced, backend):
     return _ring_forward(q, k, v, axis_name, scale, causal, balanced, backend)[0]
@@ -486,9 +501,9 @@ def _ring_forward(q, k, v, axis_name, scale, causal, balanced, backend):
         """Merge attention(q[:, q_rows], k, v) into the accumulator (o, lse)."""
         o_acc, lse_acc = acc
         o, lse = attention_fwd_impl(q[:, q_rows], k, v, scale=scale, window_left=-1,
-                                    window_right=window_right, backend=backend)
+                                    window_right=window_right, backend=backend, local=True)
         o_new, lse_new = _merge(o_acc[:, q_rows], lse_acc[..., q_rows], o, lse)
-        return o_acc.at[:, q_rows].set(o_new), lse_acc.at[..., q_rows].set(lse_new)
+        return _replace_rows(o_acc, q_rows, o_new, axis=1), _replace_rows(lse_acc, q_rows, lse_new, axis=2)
 
     everything, first, second = slice(None), slice(None, half), slice(half, None)
     if not causal:
@@ -534,10 +549,10 @@ def _ring_backward_rule(axis_name, scale, causal, balanced, backend, residuals, 
         gq, gk, gv = attention_bwd_impl(
             q[:, q_rows], k[:, k_rows], v[:, k_rows], o[:, q_rows], lse[..., q_rows],
             do[:, q_rows], scale=scale, window_left=-1, window_right=window_right,
-            backend=backend)
-        return (dq.at[:, q_rows].add(gq.astype(jnp.float32)),
-                dk.at[:, k_rows].add(gk.astype(jnp.float32)),
-                dv.at[:, k_rows].add(gv.astype(jnp.float32)))
+            backend=backend, local=True)
+        return (_replace_rows(dq, q_rows, dq[:, q_rows] + gq.astype(jnp.float32), axis=1),
+                _replace_rows(dk, k_rows, dk[:, k_rows] + gk.astype(jnp.float32), axis=1),
+                _replace_rows(dv, k_rows, dv[:, k_rows] + gv.astype(jnp.float32), axis=1))
 
     everything, first, second = slice(None), slice(None, half), slice(half, None)
     if not causal:
