@@ -31,3 +31,58 @@ def hopper():
     if why is not None:
         pytest.fail(f"GPU tests need the kernels on a Hopper GPU: {why}")
     return True
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    """Pretend the kernels are available on this (CPU) machine: tk_jax._kernels is swapped for
+    functions that run the reference, so the public functions take exactly the route they take
+    on a GPU (partitioning rules, sequence split, custom_vjp wiring) and only the innermost
+    function differs. Returns the backend name to pass ("kernel")."""
+    import sys
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    import tk_jax
+    import tk_jax._backend
+    from tk_jax import sharding
+    from tk_jax.reference.attention import attention_backward, attention_forward
+    from tk_jax.reference.based import based_forward
+
+    def attention_fwd(q, k, v, *, scale, window_left, window_right, **unused):
+        return attention_forward(q, k, v, scale=scale, window_left=window_left,
+                                 window_right=window_right)
+
+    def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale, window_left, window_right,
+                      **unused):
+        grads = attention_backward(q, k, v, o, lse, do, scale=scale, window_left=window_left,
+                                   window_right=window_right, dlse=dlse)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+    def based_fwd(q, k, v, s0, z0, *, normalize, eps):
+        y, (s, z) = based_forward(q, k, v, normalize=normalize, eps=eps, initial_state=(s0, z0))
+        # den_t is num_t for a value column of ones (and the state column z).
+        ones = jnp.ones(v.shape[:-1] + (1,), jnp.float32)
+        den, _ = based_forward(q.astype(jnp.float32), k.astype(jnp.float32), ones,
+                               normalize=False, eps=0.0, initial_state=(z0[..., None], z0))
+        return y, s, z, jnp.swapaxes(den[..., 0], 1, 2)
+
+    def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize, eps):
+        def forward(q, k, v, s0, z0):
+            return based_forward(q, k, v, normalize=normalize, eps=eps, initial_state=(s0, z0))
+        return jax.vjp(forward, q, k, v, s0, z0)[1]((dy, (d_state, d_z)))
+
+    module = types.ModuleType("tk_jax._kernels")
+    module.attention_fwd = attention_fwd
+    module.attention_bwd = attention_bwd
+    module.attention_kernel_unsupported = lambda q, k, v: None
+    module.based_fwd = based_fwd
+    module.based_bwd = based_bwd
+    module.based_kernel_unsupported = lambda q, k, v: None
+    monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
+    monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)
+    monkeypatch.setattr(tk_jax, "_kernels", module, raising=False)
+    monkeypatch.setattr(sharding, "_warned", set())  # one-time warnings start afresh
+    return "kernel"

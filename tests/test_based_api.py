@@ -185,3 +185,46 @@ def test_decode_step_checks_name_the_argument():
         based_decode_step(q_t, q_t, v_t, (state[0][..., :4], state[1]))
     with pytest.raises(ValueError, match="eps must be finite"):
         based_decode_step(q_t, q_t, v_t, state, eps=float("inf"))
+
+
+# ------------------------------------------------------------------ sequence split (kernel route)
+
+def test_sequence_split_choice():
+    from tk_jax._sequence_split import num_groups
+
+    assert num_groups(16, 16, 64, 8192, 132) == 1      # 256 blocks already fill the GPU
+    assert num_groups(1, 16, 64, 65536, 132) == 8      # 16 blocks -> 128
+    assert num_groups(1, 8, 128, 65536, 132) == 8      # Dv = 128: two blocks per head
+    assert num_groups(4, 16, 64, 65536, 132) == 1      # 64 blocks: a split of 2 cannot pay
+    assert num_groups(1, 1, 64, 1000, 132) == 1        # too short for >= 4 groups of 256
+    assert num_groups(1, 1, 64, 2048, 132) == 8      # groups of 256 tokens
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_sequence_split_matches_reference(kernel_path, monkeypatch, normalize):
+    """The kernel route with the sequence cut into 4 groups (padded from 300 to 512 tokens),
+    kernels replaced by reference stand-ins: outputs, final state and all gradients equal the
+    unsplit reference."""
+    from tk_jax import _sequence_split
+
+    monkeypatch.setattr(_sequence_split, "num_groups", lambda *args: 4)
+    seed = fresh_seed()
+    q, k, v = random_inputs(seed, batch=2, seq_len=300, heads=2, value_dim=8, dtype=jnp.float32)
+    state0 = random_state(seed + 1, batch=2, heads=2, value_dim=8)
+    rng = np.random.default_rng(seed)
+    dy = rng.standard_normal(v.shape).astype(np.float32)
+    ds = 1e-2 * rng.standard_normal((2, 2, NUM_FEATURES, 8)).astype(np.float32)
+    dz = 1e-2 * rng.standard_normal((2, 2, NUM_FEATURES)).astype(np.float32)
+
+    def run(backend):
+        def loss(q, k, v, state):
+            y, (s, z) = based_linear_attention(q, k, v, normalize=normalize, initial_state=state,
+                                               return_state=True, backend=backend)
+            return (y * dy).sum() + (s * ds).sum() + (z * dz).sum(), (y, s, z)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, state0)
+
+    (_, outs), grads = run(kernel_path)
+    (_, outs_ref), grads_ref = run("reference")
+    for name, a, b in zip(["y", "S", "z", "dq", "dk", "dv", "dS0", "dz0"],
+                          list(outs) + jax.tree.leaves(grads), list(outs_ref) + jax.tree.leaves(grads_ref)):
+        assert rel_l2(a, b) < 1e-5, f"{name} (seed {seed}): {rel_l2(a, b)}"

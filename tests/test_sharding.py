@@ -1,16 +1,14 @@
 """Multi-device attention on 8 CPU host devices (tests/conftest.py): sharded jit, shard_map,
 pmap and ring attention, each against unsharded flash_attention (forward and gradients).
 
-The CUDA kernels cannot run here, so "kernel path" tests swap tk_jax._kernels for functions
-that run the reference: flash_attention then takes exactly the route it takes on a GPU
-(the partitioning rule of tk_jax/sharding.py around the kernel calls), only the innermost
-function differs. HLO checks read the compiled program's text for collectives.
+The CUDA kernels cannot run here, so "kernel path" tests use the kernel_path fixture
+(tests/conftest.py), which swaps tk_jax._kernels for functions that run the reference:
+flash_attention then takes exactly the route it takes on a GPU (the partitioning rule of
+tk_jax/sharding.py around the kernel calls), only the innermost function differs. HLO checks read the compiled program's text for collectives.
 """
 from __future__ import annotations
 
 import functools
-import sys
-import types
 import warnings
 
 import jax
@@ -22,8 +20,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import tk_jax
 import tk_jax._backend
 from tk_jax import sharding
-from tk_jax.reference.attention import attention_backward, attention_forward
-from tk_jax.reference.based import based_forward
 
 try:  # tests/ as a package, or tests/ on sys.path
     from tests.naive import relative_l2
@@ -65,46 +61,6 @@ def assert_all_close(actual, expected, tol=TOL):
     assert_close(o, o_ref, "o", tol)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
         assert_close(g, g_ref, name, tol)
-
-
-@pytest.fixture
-def kernel_path(monkeypatch):
-    """Pretend the kernels are available; their wrappers run the reference instead."""
-    def attention_fwd(q, k, v, *, scale, window_left, window_right, **unused):
-        return attention_forward(q, k, v, scale=scale, window_left=window_left,
-                                 window_right=window_right)
-
-    def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale, window_left, window_right,
-                      **unused):
-        grads = attention_backward(q, k, v, o, lse, do, scale=scale, window_left=window_left,
-                                   window_right=window_right, dlse=dlse)
-        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
-
-    def based_fwd(q, k, v, s0, z0, *, normalize, eps):
-        y, (s, z) = based_forward(q, k, v, normalize=normalize, eps=eps, initial_state=(s0, z0))
-        # den_t is num_t for a value column of ones (and the state column z).
-        ones = jnp.ones(v.shape[:-1] + (1,), jnp.float32)
-        den, _ = based_forward(q.astype(jnp.float32), k.astype(jnp.float32), ones, normalize=False,
-                               eps=0.0, initial_state=(z0[..., None], z0))
-        return y, s, z, jnp.swapaxes(den[..., 0], 1, 2)
-
-    def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize, eps):
-        def forward(q, k, v, s0, z0):
-            return based_forward(q, k, v, normalize=normalize, eps=eps, initial_state=(s0, z0))
-        return jax.vjp(forward, q, k, v, s0, z0)[1]((dy, (d_state, d_z)))
-
-    module = types.ModuleType("tk_jax._kernels")
-    module.attention_fwd = attention_fwd
-    module.attention_bwd = attention_bwd
-    module.attention_kernel_unsupported = lambda q, k, v: None
-    module.based_fwd = based_fwd
-    module.based_bwd = based_bwd
-    module.based_kernel_unsupported = lambda q, k, v: None
-    monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
-    monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)
-    monkeypatch.setattr(tk_jax, "_kernels", module, raising=False)
-    monkeypatch.setattr(sharding, "_warned", set())  # one-time warnings start afresh
-    return "kernel"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -47,20 +47,34 @@ def _based_kernel_unsupported(q, k, v, *, normalize, initial_state) -> str | Non
     return _kernels.based_kernel_unsupported(q, k, v)
 
 
+def _kernel_start_state(v, initial_state):
+    """The kernels always start from a state: zeros when there is none (zeros_like(v), so that
+    under shard_map they vary over devices like the inputs)."""
+    if initial_state is not None:
+        return initial_state
+    batch, _, heads, value_dim = v.shape
+    return reference._zero_state(v, batch, heads, NUM_FEATURES, value_dim)
+
+
 def based_fwd_impl(q, k, v, initial_state, *, normalize, eps, backend):
     """Forward. Returns ((y, (S, z)), residuals for based_bwd_impl)."""
     if backend == "kernel":
-        from tk_jax import _kernels, sharding
+        from tk_jax import _kernels, _sequence_split, sharding
 
-        batch, _, heads, value_dim = v.shape
-        # The kernel always starts from a state: zeros when there is none (zeros_like(v): under
-        # shard_map they vary over devices like the inputs).
-        s0, z0 = initial_state if initial_state is not None else reference._zero_state(v, batch, heads, NUM_FEATURES, value_dim)
+        batch, seq_len, heads, value_dim = v.shape
+        s0, z0 = _kernel_start_state(v, initial_state)
         # The partitioning rule lets a sharded jit run the kernel per (batch, head) shard.
         kernel = sharding.partitioned_based_fwd(_kernels.based_fwd)
-        y, s, z, den = kernel(q, k, v, s0, z0, normalize=normalize, eps=eps)
-        # The backward kernel needs y and the normaliser den ([B, H, T] floats) besides the inputs.
-        return (y, (s, z)), (q, k, v, initial_state, y, den)
+        groups = _sequence_split.num_groups(batch, heads, value_dim, seq_len,
+                                            _sequence_split.multiprocessor_count())
+        if groups > 1:  # too few (batch, head) blocks to fill the GPU: split the sequence
+            y, (s, z), den, starts = _sequence_split.forward(
+                kernel, q, k, v, s0, z0, groups, normalize=normalize, eps=eps)
+        else:
+            (y, s, z, den), starts = kernel(q, k, v, s0, z0, normalize=normalize, eps=eps), None
+        # The backward kernel needs y and the normaliser den ([B, H, T] floats) besides the
+        # inputs, and with a split the groups' start states.
+        return (y, (s, z)), (q, k, v, initial_state, y, den, starts)
     outputs = reference.based_forward(q, k, v, normalize=normalize, eps=eps,
                                       initial_state=initial_state)
     # The reference backward recomputes the forward from the inputs: only the inputs are kept
@@ -72,14 +86,17 @@ def based_bwd_impl(residuals, cotangents, *, normalize, eps, backend):
     """Backward. cotangents = (dy, (dS, dz)); returns (dq, dk, dv, d_initial_state)."""
     dy, (d_state, d_z) = cotangents
     if backend == "kernel":
-        from tk_jax import _kernels, sharding
+        from tk_jax import _kernels, _sequence_split, sharding
 
-        q, k, v, initial_state, y, den = residuals
-        batch, _, heads, value_dim = v.shape
-        s0, z0 = initial_state if initial_state is not None else reference._zero_state(v, batch, heads, NUM_FEATURES, value_dim)
+        q, k, v, initial_state, y, den, starts = residuals
         kernel = sharding.partitioned_based_bwd(_kernels.based_bwd)
-        dq, dk, dv, ds0, dz0 = kernel(q, k, v, y, den, dy, s0, z0, d_state, d_z,
-                                      normalize=normalize, eps=eps)
+        if starts is not None:  # the forward split the sequence: so does the backward
+            dq, dk, dv, ds0, dz0 = _sequence_split.backward(
+                kernel, q, k, v, y, den, dy, starts, d_state, d_z, normalize=normalize, eps=eps)
+        else:
+            s0, z0 = _kernel_start_state(v, initial_state)
+            dq, dk, dv, ds0, dz0 = kernel(q, k, v, y, den, dy, s0, z0, d_state, d_z,
+                                          normalize=normalize, eps=eps)
         return dq, dk, dv, (None if initial_state is None else (ds0, dz0))
 
     q, k, v, initial_state = residuals
