@@ -9,6 +9,7 @@ extern "C" XLA_FFI_Error* tk_attention_fwd(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* tk_attention_bwd(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* tk_based_fwd(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* tk_based_bwd(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* tk_based_decode(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 template <typename Fn>
@@ -25,6 +26,7 @@ NB_MODULE(_tk, m) {
     targets["tk_attention_bwd"] = handler_capsule(tk_attention_bwd);
     targets["tk_based_fwd"] = handler_capsule(tk_based_fwd);
     targets["tk_based_bwd"] = handler_capsule(tk_based_bwd);
+    targets["tk_based_decode"] = handler_capsule(tk_based_decode);
     return targets;
   });
   m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);

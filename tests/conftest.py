@@ -49,7 +49,7 @@ def kernel_path(monkeypatch):
     import tk_jax._backend
     from tk_jax import sharding
     from tk_jax.reference.attention import attention_backward, attention_forward
-    from tk_jax.reference.based import based_forward
+    from tk_jax.reference.based import based_decode_step_reference, based_forward
 
     def attention_fwd(q, k, v, *, scale, window_left, window_right, **unused):
         return attention_forward(q, k, v, scale=scale, window_left=window_left,
@@ -74,6 +74,11 @@ def kernel_path(monkeypatch):
             return based_forward(q, k, v, normalize=normalize, eps=eps, initial_state=(s0, z0))
         return jax.vjp(forward, q, k, v, s0, z0)[1]((dy, (d_state, d_z)))
 
+    def based_decode(q_t, k_t, v_t, s, z, *, normalize, eps):
+        y, (s, z) = based_decode_step_reference(q_t, k_t, v_t, (s, z), normalize=normalize,
+                                                eps=eps)
+        return y, s, z
+
     module = types.ModuleType("tk_jax._kernels")
     module.attention_fwd = attention_fwd
     module.attention_bwd = attention_bwd
@@ -81,6 +86,8 @@ def kernel_path(monkeypatch):
     module.based_fwd = based_fwd
     module.based_bwd = based_bwd
     module.based_kernel_unsupported = lambda q, k, v: None
+    module.based_decode = based_decode
+    module.based_decode_unsupported = lambda q_t, v_t: None
     monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
     monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)
     monkeypatch.setattr(tk_jax, "_kernels", module, raising=False)

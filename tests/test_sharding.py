@@ -321,3 +321,25 @@ def test_ring_attention_errors():
         call(jnp.zeros((1, 8, 3, 8)), jnp.zeros((1, 8, 2, 8)))
     with pytest.raises(TypeError, match="^ring_attention: causal"):
         call(q, q, causal=1)
+
+
+def test_based_decode_step_sharded_jit_has_no_collectives(kernel_path, rng):
+    """The decode step's partitioning rule: batch and heads split, no collective, same result
+    (forward and the reference-based gradient)."""
+    mesh = mesh_of((2, 4), ("data", "model"))
+    q, k, v = random_arrays(rng, (4, 8, 16), (4, 8, 16), (4, 8, 8))
+    s0 = jnp.asarray(rng.standard_normal((4, 8, 273, 8)), jnp.float32)
+    z0 = jnp.asarray(50 + rng.random((4, 8, 273)), jnp.float32)
+
+    def step_and_grad(q, k, v, s0, z0):
+        step = functools.partial(tk_jax.based_decode_step, backend=kernel_path)
+        y, state = step(q, k, v, (s0, z0))
+        grad = jax.grad(lambda q: jnp.sum(step(q, k, v, (s0, z0))[0] ** 2))(q)
+        return y, state.S, state.z, grad
+
+    spec = NamedSharding(mesh, P("data", "model"))
+    args = [jax.device_put(x, spec) for x in (q, k, v, s0, z0)]
+    compiled = jax.jit(step_and_grad).lower(*args).compile()
+    assert not collectives(compiled.as_text())
+    for actual, expected in zip(compiled(*args), jax.jit(step_and_grad)(q, k, v, s0, z0)):
+        assert_close(actual, expected, "decode", tol=1e-5)

@@ -2,6 +2,8 @@
 and in the kernels' layout ([batch, seq, heads, dim], contiguous); these only build the call."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,3 +141,32 @@ def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize: bool, eps
         q, k, v, dy.astype(v.dtype), inv_den, dden, s0.astype(jnp.float32), z0.astype(jnp.float32),
         d_state.astype(jnp.float32), d_z.astype(jnp.float32))
     return dq_parts.sum(-2).astype(q.dtype), dk_parts.sum(-2).astype(k.dtype), dv, ds0, dz0
+
+
+def based_decode_unsupported(q_t, v_t) -> str | None:
+    """None when the decode-step kernel handles q_t [..., 16] / v_t [..., Dv], else why not."""
+    if q_t.dtype not in [jnp.dtype(d) for d in KERNEL_DTYPES]:
+        return f"the Based decode kernel takes bf16 or fp16 inputs, got {q_t.dtype}"
+    if q_t.shape[-1] != BASED_FEATURE_DIM:
+        return f"the Based decode kernel needs feature dim {BASED_FEATURE_DIM}, got {q_t.shape[-1]}"
+    if v_t.shape[-1] not in BASED_VALUE_DIMS:
+        return (f"the Based decode kernel supports value dim (v_t's last axis) in "
+                f"{BASED_VALUE_DIMS}, got {v_t.shape[-1]}")
+    if math.prod(q_t.shape[:-1]) < 1:
+        return "the Based decode kernel needs at least one (batch, head) row"
+    return None
+
+
+def based_decode(q_t, k_t, v_t, s, z, *, normalize: bool, eps: float):
+    """(y_t, S', z') from the decode-step kernel: q_t, k_t [..., H, 16], v_t [..., H, Dv],
+    S [..., H, 273, Dv], z [..., H, 273] (float32). S' and z' reuse the buffers of S and z
+    (input_output_aliases): inside a jitted generation loop the state is updated in place."""
+    out_types = (
+        jax.ShapeDtypeStruct(v_t.shape, v_t.dtype),
+        jax.ShapeDtypeStruct(s.shape, jnp.float32),
+        jax.ShapeDtypeStruct(z.shape, jnp.float32),
+    )
+    call = jax.ffi.ffi_call("tk_based_decode", out_types, vmap_method="broadcast_all",
+                            input_output_aliases={3: 1, 4: 2})
+    return call(q_t, k_t, v_t, s.astype(jnp.float32), z.astype(jnp.float32),
+                normalize=np.int64(1 if normalize else 0), eps=np.float32(eps))

@@ -237,13 +237,16 @@ def based_linear_attention(q, k, v, *, normalize=True, eps=1e-6, initial_state=N
     return y, state
 
 
-def based_decode_step(q_t, k_t, v_t, state, *, normalize=True, eps=1e-6):
-    """One generation step of Based attention (plain JAX: jit, vmap and grad work as usual).
+def based_decode_step(q_t, k_t, v_t, state, *, normalize=True, eps=1e-6, backend="auto"):
+    """One generation step of Based attention (jit, vmap and grad work as usual).
 
     Args:
       q_t, k_t: [..., H, 16] (the new token's query and key), v_t: [..., H, Dv]; same dtype.
       state: (S [..., H, 273, Dv] f32, z [..., H, 273] f32), e.g. from
         based_linear_attention(..., return_state=True) or an earlier decode step.
+      backend: "auto" | "kernel" | "reference". The kernel (bf16/fp16, Dv 64 or 128) reads and
+        writes the state once, in place when the old state is not used afterwards (as in a
+        jitted generation loop); its gradient comes from the reference.
     Returns:
       (y_t [..., H, Dv] in v_t's dtype, BasedState(S', z')) where the new token is included.
     """
@@ -258,8 +261,55 @@ def based_decode_step(q_t, k_t, v_t, state, *, normalize=True, eps=1e-6):
     check_same({"q_t": q_t.dtype, "k_t": k_t.dtype, "v_t": v_t.dtype}, "dtypes", op)
     normalize = _check_flag(normalize, "normalize", op)
     eps = _check_eps(eps, op)
-    state = _check_state(state, "state", batch_heads=tuple(q_t.shape[:-1]),
-                         value_dim=v_t.shape[-1], op=op)
-    y, (s, z) = reference.based_decode_step_reference(q_t, k_t, v_t, state,
-                                                      normalize=normalize, eps=eps)
-    return y, BasedState(s, z)
+    batch_heads = tuple(q_t.shape[:-1])
+    state = _check_state(state, "state", batch_heads=batch_heads, value_dim=v_t.shape[-1], op=op)
+
+    which = select_backend(backend, op=op, unsupported=_decode_kernel_unsupported(q_t, v_t))
+    # Fold leading dims into one batch dim: the implementations see [B, H, ...].
+    batch, heads, value_dim = math.prod(batch_heads[:-1]), batch_heads[-1], v_t.shape[-1]
+    q3, k3 = (x.reshape(batch, heads, FEATURE_DIM) for x in (q_t, k_t))
+    v3 = v_t.reshape(batch, heads, value_dim)
+    state3 = (state[0].reshape(batch, heads, NUM_FEATURES, value_dim),
+              state[1].reshape(batch, heads, NUM_FEATURES))
+    y, (s, z) = _decode(q3, k3, v3, state3, normalize, eps, which)
+    return y.reshape(v_t.shape), BasedState(s.reshape(state[0].shape), z.reshape(state[1].shape))
+
+
+def _decode_kernel_unsupported(q_t, v_t) -> str | None:
+    from tk_jax import _kernels
+
+    return _kernels.based_decode_unsupported(q_t, v_t)
+
+
+def _decode_impl(q_t, k_t, v_t, state, normalize, eps, backend):
+    if backend == "kernel":
+        from tk_jax import _kernels, sharding
+
+        kernel = sharding.partitioned_based_decode(_kernels.based_decode)
+        y, s, z = kernel(q_t, k_t, v_t, *state, normalize=normalize, eps=eps)
+        return y, (s, z)
+    return reference.based_decode_step_reference(q_t, k_t, v_t, state, normalize=normalize,
+                                                 eps=eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _decode(q_t, k_t, v_t, state, normalize, eps, backend):
+    return _decode_impl(q_t, k_t, v_t, state, normalize, eps, backend)
+
+
+def _decode_fwd(q_t, k_t, v_t, state, normalize, eps, backend):
+    return _decode_impl(q_t, k_t, v_t, state, normalize, eps, backend), (q_t, k_t, v_t, state)
+
+
+def _decode_bwd(normalize, eps, backend, residuals, cotangents):
+    """Both backends differentiate the reference step (a single token: cheap)."""
+    del backend
+
+    def step(q_t, k_t, v_t, state):
+        return reference.based_decode_step_reference(q_t, k_t, v_t, state, normalize=normalize,
+                                                     eps=eps)
+
+    return jax.vjp(step, *residuals)[1](cotangents)
+
+
+_decode.defvjp(_decode_fwd, _decode_bwd)

@@ -69,6 +69,8 @@ ATTENTION_BWD_WITH_DLSE_LAYOUT = (_BWD_OPERANDS + ", b hq tq", ATTENTION_BWD_LAY
 # Based forward: q, k, v, initial S and z -> y, final S and z, den (f features, n = 273 state rows).
 BASED_FWD_LAYOUT = ("b t hq f, b t hq f, b t hq e, b hq n e, b hq n",
                     "b t hq e, b hq n e, b hq n, b hq t")
+# Based decode step: q_t, k_t, v_t, S, z -> y_t, S', z'.
+BASED_DECODE_LAYOUT = ("b hq f, b hq f, b hq e, b hq n e, b hq n", "b hq e, b hq n e, b hq n")
 # Based backward: q, k, v, y, den, dy, S0, z0, dS, dz -> dq, dk, dv, dS0, dz0.
 BASED_BWD_LAYOUT = ("b t hq f, b t hq f, b t hq e, b t hq e, b hq t, b t hq e, "
                     "b hq n e, b hq n, b hq n e, b hq n",
@@ -334,6 +336,11 @@ def partitioned_attention_fwd(fn):
 def partitioned_based_fwd(fn):
     """`fn(q, k, v, s0, z0, *, normalize, eps) -> (y, s, z, den)` with the batch/head rule."""
     return shard_over_batch_and_heads(fn, *BASED_FWD_LAYOUT)
+
+
+def partitioned_based_decode(fn):
+    """`fn(q_t, k_t, v_t, s, z, *, normalize, eps) -> (y_t, s, z)` with the batch/head rule."""
+    return shard_over_batch_and_heads(fn, *BASED_DECODE_LAYOUT)
 
 
 def partitioned_based_bwd(fn):

@@ -1,5 +1,5 @@
-// XLA FFI handlers for Based linear attention, forward and backward: decode the buffers, check
-// them, call the launchers.
+// XLA FFI handlers for Based linear attention (forward, backward, decode step): decode the
+// buffers, check them, call the launchers.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -167,6 +167,55 @@ ffi::Error BasedBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   return ffi::Error::Success();
 }
 
+// Inputs q_t, k_t [..., 16], v_t [..., Dv], S [..., 273, Dv] f32, z [..., 273] f32 (all leading
+// dims, e.g. batch and heads, are independent rows); outputs y like v_t, S' like S, z' like z
+// (S' and z' may alias S and z: each element is read before it is written, by one thread).
+ffi::Error BasedDecode(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Buffer<ffi::F32> state, ffi::Buffer<ffi::F32> z, ffi::Result<ffi::AnyBuffer> y,
+                       ffi::Result<ffi::Buffer<ffi::F32>> state_out, ffi::Result<ffi::Buffer<ffi::F32>> z_out,
+                       int64_t normalize, float eps) {
+  using tk::based::FEATURE_DIM;
+  using tk::based::NUM_FEATURES;
+  auto invalid = [](const std::string& msg) { return ffi::Error::InvalidArgument("tk_based_decode: " + msg); };
+  const auto qd = q.dimensions(), vd = v.dimensions();
+  if (qd.size() < 1 || qd[qd.size() - 1] != FEATURE_DIM) return invalid("q_t must be [..., 16], got " + shape_str(q));
+  const size_t lead = qd.size() - 1;
+  if (!has_shape(k.dimensions(), qd, lead, {FEATURE_DIM})) return invalid("k_t must have q_t's shape");
+  if (vd.size() != qd.size() || !has_shape(vd, qd, lead, {vd[vd.size() - 1]}))
+    return invalid("v_t must be [..., Dv] with q_t's leading dims, got " + shape_str(v));
+  const int64_t value_dim = vd[vd.size() - 1];
+  const auto dtype = q.element_type();
+  if (dtype != ffi::BF16 && dtype != ffi::F16) return invalid("q_t must be bf16 or fp16");
+  if (k.element_type() != dtype || v.element_type() != dtype || y->element_type() != dtype)
+    return invalid("q_t, k_t, v_t and y must share one dtype");
+  if (!has_shape(y->dimensions(), qd, lead, {value_dim})) return invalid("y must have v_t's shape");
+  if (!has_shape(state.dimensions(), qd, lead, {NUM_FEATURES, value_dim}) ||
+      !has_shape(state_out->dimensions(), qd, lead, {NUM_FEATURES, value_dim}))
+    return invalid("S and S' must be [..., 273, Dv] with the leading dims of q_t");
+  if (!has_shape(z.dimensions(), qd, lead, {NUM_FEATURES}) || !has_shape(z_out->dimensions(), qd, lead, {NUM_FEATURES}))
+    return invalid("z and z' must be [..., 273] with the leading dims of q_t");
+  if (normalize != 0 && normalize != 1) return invalid("normalize must be 0 or 1, got " + std::to_string(normalize));
+
+  tk::based::DecodeParams p{};
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.state = state.typed_data();
+  p.z = z.typed_data();
+  p.y = y->untyped_data();
+  p.state_out = state_out->typed_data();
+  p.z_out = z_out->typed_data();
+  p.rows = leading_product(qd, 1);
+  p.value_dim = int(value_dim);
+  p.normalize = normalize == 1;
+  p.eps = eps;
+  p.dtype = dtype == ffi::BF16 ? tk::based::DType::bf16 : tk::based::DType::fp16;
+  if (const char* why = tk::based::decode_unsupported(p)) return invalid(why);
+  const cudaError_t err = tk::based::decode(p, stream);
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("tk_based_decode launch: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_fwd, BasedForward,
@@ -202,3 +251,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_bwd, BasedBackward,
                                   .Ret<ffi::AnyBuffer>()          // dv
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dS0
                                   .Ret<ffi::Buffer<ffi::F32>>()); // dz0
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_decode, BasedDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // q_t
+                                  .Arg<ffi::AnyBuffer>()          // k_t
+                                  .Arg<ffi::AnyBuffer>()          // v_t
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // S
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // z
+                                  .Ret<ffi::AnyBuffer>()          // y
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // S'
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // z'
+                                  .Attr<int64_t>("normalize")     // 0 or 1
+                                  .Attr<float>("eps"));

@@ -259,6 +259,10 @@ def run_decode(plan: Plan, args: argparse.Namespace) -> dict:
     outcome = run_one(based.decode_contender(batch, heads), None, config, reps=args.reps,
                       verbose_errors=args.verbose)
     result = dataclasses.asdict(outcome)
+    for key in ("median_ms", "min_ms", "max_ms"):  # one call = a loop of DECODE_STEPS steps
+        if result.get(key) is not None:
+            result[key] /= based.DECODE_STEPS
+    result["steps_per_call"] = based.DECODE_STEPS
     result["floor_bytes"] = floor_bytes
     try:
         bandwidth = based.copy_bandwidth_bytes_per_s(

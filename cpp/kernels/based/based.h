@@ -9,6 +9,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace tk::based {
 
 enum class DType { bf16, fp16 };
@@ -70,5 +72,27 @@ struct BackwardParams {
 
 const char* backward_unsupported(const BackwardParams& p);
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
+
+// One generation step for `rows` independent (batch, head) rows: the new token attends to
+// itself, so the state is updated first, in place (state and z may alias state_out, z_out):
+//   S' = S + phi(k) v^T,  z' = z + phi(k),  y = phi(q) S' / (phi(q) . z' + eps)  (or without /).
+struct DecodeParams {
+  const void* q;      // [rows, 16]
+  const void* k;      // [rows, 16]
+  const void* v;      // [rows, value_dim]
+  const float* state; // [rows, 273, value_dim]
+  const float* z;     // [rows, 273]
+  void* y;            // [rows, value_dim], v's dtype
+  float* state_out;   // [rows, 273, value_dim]
+  float* z_out;       // [rows, 273]
+  int64_t rows;
+  int value_dim;
+  bool normalize;
+  float eps;
+  DType dtype;
+};
+
+const char* decode_unsupported(const DecodeParams& p);
+cudaError_t decode(const DecodeParams& p, cudaStream_t stream);
 
 }  // namespace tk::based
