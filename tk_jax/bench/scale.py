@@ -63,14 +63,17 @@ class Sizes:
     attn_heads: int = 16
     attn_t: int = 4096
     attn_d: int = 128
-    # 2. data-parallel BasedLM: "swa" puts one sliding-window attention layer (the attention
-    # kernel under the batch-sharded jit) between the Based layers.
-    lm_batch: int = 32
-    lm_seq: int = 1024
-    lm_vocab: int = 4096
-    lm_d_model: int = 256
-    lm_layers: tuple = ("conv", "based", "swa", "based")
-    lm_heads: int = 4            # Based and sliding-window heads (head dim d_model / heads)
+    # 2. data-parallel BasedLM, the model of issue 4's training-step target (d_model 1024, 12
+    # layers, T=4096): "swa" puts sliding-window attention layers (the attention kernel under
+    # the batch-sharded jit) between the Based layers. (Until 2026-11-26: d_model 256, 4 layers,
+    # 32 x 1024 tokens, a step of ~7 ms in which the gradient all-reduce and launch overheads
+    # weighed too much to say anything about training.)
+    lm_batch: int = 8
+    lm_seq: int = 4096
+    lm_vocab: int = 8192
+    lm_d_model: int = 1024
+    lm_layers: tuple = ("conv", "based", "swa", "based") * 3
+    lm_heads: int = 16           # Based and sliding-window heads (head dim d_model / heads)
     lm_window: int = 128
     # 3. ring attention
     ring_t: tuple = (32768, 65536)
