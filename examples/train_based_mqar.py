@@ -274,7 +274,7 @@ def time_backends(cfg: TrainConfig, *, repeats: int = 20) -> None:
         except ValueError as err:
             print(f"  {backend:9s}: not available ({err})")
             continue
-        jax.block_until_ready(loss)
+        first_loss = float(loss)  # same model, same batch: the backends must agree here
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -282,7 +282,7 @@ def time_backends(cfg: TrainConfig, *, repeats: int = 20) -> None:
             jax.block_until_ready((params, loss))
             times.append(time.perf_counter() - start)
         print(f"  {backend:9s}: {1e3 * float(np.median(times)):8.2f} ms/step "
-              f"(median of {repeats})")
+              f"(median of {repeats}), first-step loss {first_loss:.5f}")
 
 
 # --------------------------------------------------------------------------------- CLI
