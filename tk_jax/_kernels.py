@@ -71,6 +71,8 @@ def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: 
 
 BASED_FEATURE_DIM = 16       # q/k features of Based (cpp: tk::based::FEATURE_DIM)
 BASED_NUM_FEATURES = 273     # 1 + 16 + 16*16 Taylor features (cpp: tk::based::NUM_FEATURES)
+BASED_CHUNK = 64             # tokens per step of the kernels' walk (cpp: CHUNK)
+BASED_COLUMN_BLOCK = 64      # value columns per thread block (cpp: V_BLOCK, BWD_COLS)
 BASED_VALUE_DIMS = (64, 128)
 _GRID_LIMIT = 65535          # batch and heads are grid dimensions of the Based kernel
 
@@ -112,7 +114,6 @@ def based_fwd(q, k, v, s0, z0, *, normalize: bool, eps: float):
                 normalize=np.int64(1 if normalize else 0), eps=np.float32(eps))
 
 
-BASED_COLUMN_BLOCK = 64  # value columns per block of the backward kernel (cpp: BWD_COLS)
 
 
 def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize: bool, eps: float):

@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-CHUNK = 64                # tokens per step of the kernels' walk
-COLUMN_BLOCK = 64         # value columns per thread block
+from tk_jax._kernels import BASED_CHUNK as CHUNK
+from tk_jax._kernels import BASED_COLUMN_BLOCK as COLUMN_BLOCK
+from tk_jax._kernels import BASED_NUM_FEATURES as NUM_FEATURES
+
 MIN_GROUP_TOKENS = 256    # shorter groups spend more on the extra pass than they gain
 MIN_GROUPS = 4            # two passes: fewer groups than this cannot pay off
-NUM_FEATURES = 273
 
 
 def num_groups(batch: int, heads: int, value_dim: int, seq_len: int, num_sms: int) -> int:

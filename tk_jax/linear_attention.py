@@ -154,6 +154,21 @@ def _check_feature_dim(x, name: str, op: str) -> None:
             f"{tuple(x.shape)}; project queries and keys to {FEATURE_DIM} features first")
 
 
+def _check_qkv(arrays: dict, *, min_ndim: int, axes: str, op: str) -> None:
+    """q, k, v (under the names given, in that order): arrays of equal rank >= min_ndim, q and k
+    with feature dim 16, all three alike in every axis but the last (`axes` names those axes
+    for the message) and in dtype."""
+    for name, x in arrays.items():
+        check_array(x, name, min_ndim=min_ndim, op=op)
+    check_same({name: x.ndim for name, x in arrays.items()}, "ranks", op)
+    (q_name, q), (k_name, k) = list(arrays.items())[:2]
+    _check_feature_dim(q, q_name, op)
+    _check_feature_dim(k, k_name, op)
+    check_same({name: tuple(x.shape[:-1]) for name, x in arrays.items()},
+               f"shapes {axes} (all but the last axis)", op)
+    check_same({name: x.dtype for name, x in arrays.items()}, "dtypes", op)
+
+
 def _check_state(state, name: str, *, batch_heads: tuple, value_dim: int, op: str):
     """state is (S [*batch_heads, 273, Dv] f32, z [*batch_heads, 273] f32); returns a tuple."""
     if not isinstance(state, (tuple, list)) or len(state) != 2:
@@ -194,14 +209,7 @@ def based_linear_attention(q, k, v, *, normalize=True, eps=1e-6, initial_state=N
     has no forward mode, so jax.jvp raises.
     """
     op = "based_linear_attention"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_array(x, name, min_ndim=4, op=op)
-    check_same({"q": q.ndim, "k": k.ndim, "v": v.ndim}, "ranks", op)
-    _check_feature_dim(q, "q", op)
-    _check_feature_dim(k, "k", op)
-    check_same({"q": tuple(q.shape[:-1]), "k": tuple(k.shape[:-1]), "v": tuple(v.shape[:-1])},
-               "shapes [..., T, H] (all but the last axis)", op)
-    check_same({"q": q.dtype, "k": k.dtype, "v": v.dtype}, "dtypes", op)
+    _check_qkv({"q": q, "k": k, "v": v}, min_ndim=4, axes="[..., T, H]", op=op)
     normalize = _check_flag(normalize, "normalize", op)
     return_state = _check_flag(return_state, "return_state", op)
     eps = _check_eps(eps, op)
@@ -251,14 +259,7 @@ def based_decode_step(q_t, k_t, v_t, state, *, normalize=True, eps=1e-6, backend
       (y_t [..., H, Dv] in v_t's dtype, BasedState(S', z')) where the new token is included.
     """
     op = "based_decode_step"
-    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
-        check_array(x, name, min_ndim=2, op=op)
-    check_same({"q_t": q_t.ndim, "k_t": k_t.ndim, "v_t": v_t.ndim}, "ranks", op)
-    _check_feature_dim(q_t, "q_t", op)
-    _check_feature_dim(k_t, "k_t", op)
-    check_same({"q_t": tuple(q_t.shape[:-1]), "k_t": tuple(k_t.shape[:-1]),
-                "v_t": tuple(v_t.shape[:-1])}, "shapes [..., H] (all but the last axis)", op)
-    check_same({"q_t": q_t.dtype, "k_t": k_t.dtype, "v_t": v_t.dtype}, "dtypes", op)
+    _check_qkv({"q_t": q_t, "k_t": k_t, "v_t": v_t}, min_ndim=2, axes="[..., H]", op=op)
     normalize = _check_flag(normalize, "normalize", op)
     eps = _check_eps(eps, op)
     batch_heads = tuple(q_t.shape[:-1])
