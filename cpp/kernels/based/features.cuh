@@ -30,20 +30,24 @@ __device__ __forceinline__ int internal_feature(int external) {
   return external == 0 ? CONST_FEATURE : external < 17 ? LINEAR_FEATURES + external - 1 : external - 17;
 }
 
-// The 16 values of row r of a [rows x 16] tile, as floats (two 16-byte pieces).
+// Columns [col0, col0 + 8) of row r of a [rows x 16] tile, as floats (one 16-byte piece).
+template <typename T, int R>
+__device__ __forceinline__ void load_row_piece(float (&out)[8], const st<T, R, FEATURE_DIM>& tile, int r, int col0) {
+  const int4 raw = *reinterpret_cast<const int4*>(tile.ptr(r, col0));
+  const packed_t<T>* pairs = reinterpret_cast<const packed_t<T>*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    const float2 f = unpack(pairs[j]);
+    out[2 * j] = f.x;
+    out[2 * j + 1] = f.y;
+  }
+}
+
+// The 16 values of row r of a [rows x 16] tile, as floats.
 template <typename T, int R>
 __device__ __forceinline__ void load_row(float (&out)[FEATURE_DIM], const st<T, R, FEATURE_DIM>& tile, int r) {
-#pragma unroll
-  for (int piece = 0; piece < 2; piece++) {
-    const int4 raw = *reinterpret_cast<const int4*>(tile.ptr(r, 8 * piece));
-    const packed_t<T>* pairs = reinterpret_cast<const packed_t<T>*>(&raw);
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-      const float2 f = unpack(pairs[j]);
-      out[8 * piece + 2 * j] = f.x;
-      out[8 * piece + 2 * j + 1] = f.y;
-    }
-  }
+  load_row_piece(reinterpret_cast<float(&)[8]>(out[0]), tile, r, 0);
+  load_row_piece(reinterpret_cast<float(&)[8]>(out[8]), tile, r, 8);
 }
 
 // The 16 x 16 tile of `src` at (row0, col0), transposed, as a row-layout tile (an A operand
@@ -137,6 +141,42 @@ __device__ __forceinline__ rt<bf16, 16, 16> constant_tile() {
 #pragma unroll
   for (int r = 0; r < 4; r++) phi.tiles[0][0].data[r] = pack<bf16>(r < 2 ? one : 0.f, 0.f);
   return phi;
+}
+
+// Half of phi(q) . z for this lane's rows g and g + 8 (all four lanes of a quad get the sum):
+// the second-order features with a in [8 half, 8 half + 8), plus the first-order and constant
+// ones when half = 0, so that two warps share a row tile's normaliser evenly. x_a comes from
+// q_rows (columns 8 half .. 8 half + 7 of rows g and g + 8); lane c takes the columns b in
+// {2c, 2c+1, 2c+8, 2c+9} that its fragment of q holds,
+//   sum_a x_a sum_b x_b z[16 a + b] / (4 sqrt 2) + sum_b x_b z[256 + b] / 2 + z[272],
+// and the quad adds its four parts.
+template <typename T>
+__device__ __forceinline__ row_vec<16> normaliser_from_state(const float (&q_rows)[2][8], const rt<T, 16, FEATURE_DIM>& q,
+                                                             const float* z, int half) {
+  const int c = laneid() & 3;
+  float xb[2][4];  // [row h][b = 2c, 2c+1, 2c+8, 2c+9]
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const float2 lo = unpack(q.tiles[0][0].data[h]), hi = unpack(q.tiles[0][0].data[h + 2]);
+    xb[h][0] = lo.x, xb[h][1] = lo.y, xb[h][2] = hi.x, xb[h][3] = hi.y;
+  }
+  const auto dot_xb = [&](int h, const float* zb) {  // sum_b x_b zb[b] over this lane's b
+    const float2 lo = *reinterpret_cast<const float2*>(zb + 2 * c), hi = *reinterpret_cast<const float2*>(zb + 2 * c + 8);
+    return xb[h][0] * lo.x + xb[h][1] * lo.y + xb[h][2] * hi.x + xb[h][3] * hi.y;
+  };
+  row_vec<16> den;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    float second = 0.f;
+#pragma unroll
+    for (int a = 0; a < 8; a++) second += q_rows[h][a] * dot_xb(h, z + 16 * (8 * half + a));
+    float part = second * SECOND_ORDER_SCALE;
+    if (half == 0) part += dot_xb(h, z + LINEAR_FEATURES) * FIRST_ORDER_SCALE + (c == 0 ? z[CONST_FEATURE] : 0.f);
+    part += __shfl_xor_sync(0xffffffff, part, 1);
+    part += __shfl_xor_sync(0xffffffff, part, 2);
+    den.data[0][h] = part;
+  }
+  return den;
 }
 
 // One warp: z += sum_t w_t phi(x_t) over the chunk's real tokens (w_t = 1 when `weights` is

@@ -1,27 +1,36 @@
-// Based linear attention forward on mma.sync tensor cores (the first, simple version).
+// Based linear attention forward, v2: the running state lives in registers.
 //
-// One block = 8 warps walks the whole sequence of one (batch, head) for 64 of its value
-// columns (Dv = 128 takes two blocks, which share nothing but recompute the cheap parts), in
-// chunks of 64 tokens. The running state lives in shared memory in float32 for the whole walk:
-//   S^T [64 value columns x 288 features]   (273 Taylor features padded with zeros to 18 x 16)
-//   z   [288 features]
-// Per chunk (t0 = first token of the chunk):
-//   1. phi(K) [64 x 288] is written to shared memory (16-bit; rows past the sequence are zero:
-//      phi(0) = [1, 0, ...] is not zero, so padded keys must not count).
-//   2. each warp takes 16 query rows and 32 value columns:
-//        A     = tril(1 + s + s^2 / 2), s = Q K^T / 4, keys past the sequence masked out
-//        num   = A V + phi(Q) S_prev          den = rowsum(A) + phi(Q) . z_prev   (fp32)
-//        y     = num / (den + eps)  (or num)  straight to global memory; den to global too
-//   3. S^T += V^T phi(K) (each warp owns a 16 x 144 piece of S^T) and z += colsum(phi(K)),
-//      the latter from K^T K, colsum(K) and the token count, which are exact in fp32.
-// phi(Q) is never stored: a warp builds each 16-feature tile of it in registers as mma's A
-// operand. The state operand of phi(Q) S is converted to bf16 on its way to the tensor cores
-// (bf16, not fp16, even for fp16 inputs: state entries grow with the sequence length and would
-// overflow fp16's range); every sum stays fp32.
+// One block = 8 warps walks the sequence of one (batch, head) for 64 of its value columns
+// (Dv = 128 takes two blocks), in chunks of 64 tokens. The state S [288 features x 64 columns]
+// (273 Taylor features padded to 18 tiles of 16, see features.cuh) is split over the warps so
+// that no warp ever needs another's state: warp w = (column group cg = w % 4, feature half
+// fh = w / 4) owns columns C = [16 cg, 16 cg + 16) of 9 feature tiles,
+//   fh = 0: second-order tiles a = 0..7 (features x_a x_b, b = 0..15) and the first-order tile
+//   fh = 1: second-order tiles a = 8..15 and the constant tile,
+// each held transposed, S_f^T [16 columns x 16 features], as an fp32 mma accumulator (72
+// registers a lane). Transposed because then both products with the state need no shuffle:
+//   update   S_f^T += V_C^T Phi_f(K)    A = V_C^T is V's col-layout fragment, reinterpreted
+//   output   y_C   += Phi_f(Q) S_f      B = S_f is S_f^T's accumulator, rounded to bf16
+// The tiles hold unscaled sums (sum_j k_ja k_jb v_j, sum_j k_j v_j, sum_j v_j); the feature
+// map's constants are powers of two (1/32 for the second order, 1/4 for the first, since
+// phi(q).phi(k) = 1 + q.k/4 + (q.k)^2/32), applied exactly when the state is rounded for use.
 //
-// Parallelism: batch * heads * (Dv / 64) blocks of 140 KB shared memory each, one per SM; when
-// that is below the 132 SMs of an H100 the GPU is not filled. A later version can split the
-// sequence across blocks (a two-pass scan of chunk states); this one keeps the simple walk.
+// Per chunk (t0 = its first token), with Q, K, V in shared memory:
+//   1. each warp: its partial y_C over its 9 feature tiles for all 64 rows (4 row tiles);
+//      the partial of the row tiles the other feature half finishes goes to shared memory.
+//      Each warp also computes half of phi(q) . z (the normaliser's state term) of one row tile.
+//   2. each warp finishes 2 row tiles (fh = 0: rows 0-31, fh = 1: rows 32-63) of its columns:
+//      the intra-chunk term tril(1 + s + s^2/2) V_C with s = Q K^T / 4, the other half's
+//      partial, the normaliser, then y straight to global memory.
+//   3. each warp folds the chunk into its state tiles; one warp updates z (shared, fp32, exact
+//      from K^T K as in features.cuh).
+// 16-bit operands: phi(Q) and the rounded state are bf16 even for fp16 inputs (state entries
+// grow with the sequence and would overflow fp16); everything else is in the input type, every
+// sum fp32.
+//
+// Parallelism: batch * heads * (Dv / 64) blocks of 8 warps; the state takes most of the
+// registers, so one block per SM (the Python side splits long sequences of few heads into
+// groups, see tk_jax/_sequence_split.py).
 #pragma once
 
 #include "features.cuh"
@@ -32,92 +41,106 @@ using namespace kittens;
 
 constexpr int FWD_WARPS = 8;
 constexpr int FWD_THREADS = FWD_WARPS * WARP_THREADS;
-constexpr int V_BLOCK = 64;                       // value columns per block
-constexpr int ROW_STRIPS = CHUNK / 16;            // 16-row query strips per chunk
-constexpr int V_SPLIT = FWD_WARPS / ROW_STRIPS;   // warps sharing a strip split its columns
-constexpr int V_WARP = V_BLOCK / V_SPLIT;         // value columns of y per warp
-constexpr int V_TILES = V_BLOCK / 16;             // 16-row tiles of S^T
-constexpr int UPDATE_TILES = FEATURE_TILES / (FWD_WARPS / V_TILES);  // feature tiles of S^T per warp
-// Floats per row of S^T in shared memory. The 8 extra floats put the 8 rows a fragment touches
-// in different banks (row r starts at bank 8 r mod 32), so float2 accesses are conflict-free.
-constexpr int STATE_STRIDE = PADDED_FEATURES + 8;
-static_assert(FWD_WARPS % ROW_STRIPS == 0 && V_BLOCK % (16 * V_SPLIT) == 0, "warp split of y");
-static_assert(FWD_WARPS % V_TILES == 0 && FEATURE_TILES % (FWD_WARPS / V_TILES) == 0, "warp split of S");
+constexpr int V_BLOCK = 64;                   // value columns per block
+constexpr int ROW_TILES = CHUNK / 16;         // 16-row tiles of a chunk
+constexpr int OWN_TILES = FEATURE_TILES / 2;  // feature tiles of S per warp
+static_assert(FWD_WARPS == 2 * (V_BLOCK / 16), "warps = column groups x feature halves");
 
 template <typename T>
 struct forward_shared {
   st<T, CHUNK, FEATURE_DIM> q[2], k[2];  // double-buffered chunks
   st<T, CHUNK, V_BLOCK> v[2];
-  st<T, CHUNK, PADDED_FEATURES> phi_k;   // phi(K) of the current chunk
-  float state[V_BLOCK * STATE_STRIDE];   // S^T: state[v * STATE_STRIDE + f]
-  float z[PADDED_FEATURES];
+  float z[PADDED_FEATURES];              // sum of phi(k) so far (internal feature order)
+  float den_state[2][CHUNK];             // phi(q_t) . z of the chunk's rows, in two halves
+  // Partial y handed from one feature half to the other: [warp][row tile][lane][8 floats],
+  // written and read in fragment order (same lane both sides), so with 16-byte accesses.
+  float4 partial[FWD_WARPS][2][WARP_THREADS][2];
 };
 
-// Rows [f0, f0 + 16) x columns [n0, n0 + N) of S (stored transposed, float32) as a bf16 B
-// operand: data[0] = (f 2c..2c+1, n g), data[1] = (f 2c.., n g + 8), data[2] / data[3] the
-// same at f + 8; each pair is one float2 of a row of S^T.
-template <int N>
-__device__ __forceinline__ void load_state_operand(rt<bf16, 16, N, layout::col>& dst, const float* state, int f0,
-                                                   int n0) {
-  const int g = laneid() >> 2, c = laneid() & 3;
-#pragma unroll
-  for (int j = 0; j < dst.width; j++)
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-      const int n = n0 + 16 * j + g + 8 * (r & 1), f = f0 + 2 * c + 8 * (r >> 1);
-      const float2 x = *reinterpret_cast<const float2*>(state + n * STATE_STRIDE + f);
-      dst.tiles[0][j].data[r] = pack<bf16>(x.x, x.y);
-    }
+// Warp half fh owns feature tiles own = 0..8: second-order tile a = 8 fh + own for own < 8,
+// then the first-order tile (fh = 0) or the constant tile (fh = 1). `own` is a compile-time
+// index (it picks registers); fh is a run-time value, so that both halves run the same code.
+// The power of two that turns the unscaled state tile into the one phi(q) multiplies ...
+__device__ __forceinline__ float tile_scale(int own, int fh) { return own < 8 ? 1.f / 32 : fh == 0 ? 0.25f : 1.f; }
+// ... and the factor between the unscaled tile and the external state (S of the API).
+__device__ __forceinline__ float external_scale(int own, int fh) {
+  return own < 8 ? SECOND_ORDER_SCALE : fh == 0 ? FIRST_ORDER_SCALE : 1.f;
+}
+// External feature index of column b of tile `own`, or -1 for padding.
+__device__ __forceinline__ int external_feature(int own, int fh, int b) {
+  return own < 8 ? 17 + 16 * (8 * fh + own) + b : fh == 0 ? 1 + b : (b == 0 ? 0 : -1);
 }
 
-// phi(q) . z for this lane's rows g and g + 8 (all four lanes of a quad get the full sum):
-// lane c takes the columns b in {2c, 2c+1, 2c+8, 2c+9} that its fragment of q holds,
-//   sum_a x_a sum_b x_b z[16 a + b] / (4 sqrt 2) + sum_b x_b z[256 + b] / 2,
-// then the quad adds its four parts and the constant feature z[272].
+// A packed 16-bit pair as the 32 bits a shuffle moves, and back.
+template <typename T2>
+__device__ __forceinline__ uint32_t bits(T2 x) {
+  return *reinterpret_cast<uint32_t*>(&x);
+}
+template <typename T2>
+__device__ __forceinline__ T2 from_bits(uint32_t x) {
+  return *reinterpret_cast<T2*>(&x);
+}
+
+// The A operand of phi(Q) for tile `own` (second order: x_a x_b; first order: x_b; constant:
+// 1 in column 0), unscaled, from the row-layout fragment of a 16-row tile of Q.
 template <typename T>
-__device__ __forceinline__ void normaliser_from_state(row_vec<16>& den, const float (&q_rows)[2][FEATURE_DIM],
-                                                      const rt<T, 16, FEATURE_DIM>& q, const float* z) {
-  const int c = laneid() & 3;
-  float xb[2][4];  // [row h][b = 2c, 2c+1, 2c+8, 2c+9]
-#pragma unroll
-  for (int h = 0; h < 2; h++) {
-    const float2 lo = unpack(q.tiles[0][0].data[h]), hi = unpack(q.tiles[0][0].data[h + 2]);
-    xb[h][0] = lo.x, xb[h][1] = lo.y, xb[h][2] = hi.x, xb[h][3] = hi.y;
+__device__ __forceinline__ rt_base<bf16, layout::row> phi_q_tile(const rt_base<T, layout::row>& q, int own, int fh) {
+  float2 xa = make_float2(1.f, 1.f);  // x_a of rows g and g + 8
+  if (own < 8) {
+    // Column a = 8 fh + own of rows g, g + 8 sits in data[0] / data[1] (a < 8) or data[2] /
+    // data[3] of the quad lane own / 2, as half own % 2 of the pair.
+    const int src = (laneid() & ~3) | (own >> 1);
+    const uint32_t top = __shfl_sync(0xffffffff, fh ? bits(q.data[2]) : bits(q.data[0]), src);
+    const uint32_t bottom = __shfl_sync(0xffffffff, fh ? bits(q.data[3]) : bits(q.data[1]), src);
+    const float2 t = unpack(from_bits<packed_t<T>>(top)), u = unpack(from_bits<packed_t<T>>(bottom));
+    xa = (own & 1) ? make_float2(t.y, u.y) : make_float2(t.x, u.x);
   }
-  float second[2] = {0.f, 0.f};
-#pragma unroll
-  for (int a = 0; a < FEATURE_DIM; a++) {
-    const float2 z_lo = *reinterpret_cast<const float2*>(z + 16 * a + 2 * c);
-    const float2 z_hi = *reinterpret_cast<const float2*>(z + 16 * a + 2 * c + 8);
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-      const float inner = xb[h][0] * z_lo.x + xb[h][1] * z_lo.y + xb[h][2] * z_hi.x + xb[h][3] * z_hi.y;
-      second[h] += q_rows[h][a] * inner;
-    }
-  }
-  const float2 zl_lo = *reinterpret_cast<const float2*>(z + LINEAR_FEATURES + 2 * c);
-  const float2 zl_hi = *reinterpret_cast<const float2*>(z + LINEAR_FEATURES + 2 * c + 8);
-#pragma unroll
-  for (int h = 0; h < 2; h++) {
-    const float first = xb[h][0] * zl_lo.x + xb[h][1] * zl_lo.y + xb[h][2] * zl_hi.x + xb[h][3] * zl_hi.y;
-    float part = second[h] * SECOND_ORDER_SCALE + first * FIRST_ORDER_SCALE;
-    part += __shfl_xor_sync(0xffffffff, part, 1);
-    part += __shfl_xor_sync(0xffffffff, part, 2);
-    den.data[0][h] += part + z[CONST_FEATURE];
-  }
-}
-
-// Step 3a: S^T[v0 .. v0 + 16, f0 .. f0 + 16] += acc (acc in the accumulator layout).
-__device__ __forceinline__ void add_to_state(float* state, const rt_fl<16, 16>& acc, int v0, int f0) {
+  rt_base<bf16, layout::row> out;
 #pragma unroll
   for (int r = 0; r < 4; r++) {
-    float2* p = reinterpret_cast<float2*>(state + (v0 + fragment_row(r)) * STATE_STRIDE + f0 + fragment_col(r, 0));
-    const float2 x = acc.tiles[0][0].data[r];
-    float2 cur = *p;
-    cur.x += x.x;
-    cur.y += x.y;
-    *p = cur;
+    const float s = (r & 1) ? xa.y : xa.x;
+    if constexpr (std::is_same_v<T, bf16>) {
+      out.data[r] = __hmul2(q.data[r], __float2bfloat162_rn(s));  // s is a bf16 value: exact
+    } else {
+      const float2 x = unpack(q.data[r]);
+      out.data[r] = pack<bf16>(x.x * s, x.y * s);
+    }
   }
+  if (own == 8 && fh == 1) out = constant_tile().tiles[0][0];
+  return out;
+}
+
+// The B operand Phi(K) [16 tokens x 16 features] of tile `own` for the update, in the input
+// type, from K's col-layout fragment kc of 16 tokens (K^T's row-layout fragment: b = g, t = 2c..).
+template <typename T>
+__device__ __forceinline__ rt_base<T, layout::col> phi_k_tile(const rt_base<T, layout::col>& kc, int own, int fh) {
+  rt_base<T, layout::col> out = kc;  // the first-order tile
+  if (own < 8) {
+    // data[0], data[1] hold tokens 2c, 2c+1 and data[2], data[3] tokens 2c+8, 2c+9; each is
+    // scaled by k_a of its tokens, which the lane with g = a % 8 holds in the same positions
+    // (data[0] / data[2] for a < 8, data[1] / data[3] for a >= 8).
+    const int src = 4 * own + (laneid() & 3);
+    const auto lo = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(kc.data[1]) : bits(kc.data[0]), src));
+    const auto hi = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(kc.data[3]) : bits(kc.data[2]), src));
+    out.data[0] = __hmul2(kc.data[0], lo);
+    out.data[1] = __hmul2(kc.data[1], lo);
+    out.data[2] = __hmul2(kc.data[2], hi);
+    out.data[3] = __hmul2(kc.data[3], hi);
+  } else if (fh == 1) {  // the constant feature (column n = g = 0) is 1 for every token
+    const float one = laneid() < 4 ? 1.f : 0.f;
+    out.data[0] = out.data[2] = pack<T>(one, one);
+    out.data[1] = out.data[3] = pack<T>(0.f, 0.f);
+  }
+  return out;
+}
+
+// The state tile as the bf16 B operand of phi(Q) S: S_f^T's accumulator scaled and rounded is
+// exactly S_f's col-layout fragment.
+__device__ __forceinline__ rt_base<bf16, layout::col> state_operand(const rt_base<float, layout::row>& s, float scale) {
+  rt_base<bf16, layout::col> out;
+#pragma unroll
+  for (int r = 0; r < 4; r++) out.data[r] = pack<bf16>(s.data[r].x * scale, s.data[r].y * scale);
+  return out;
 }
 
 template <typename T>
@@ -128,41 +151,47 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
 
   const int v_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int v0 = v_block * V_BLOCK;  // this block's first value column
-  const int warp = warpid();
-  const int strip = warp % ROW_STRIPS, v_part = warp / ROW_STRIPS;  // y: rows 16 strip.., cols V_WARP v_part..
-  const int state_rows = 16 * (warp % V_TILES);                     // S^T rows this warp updates
-  const int state_tile0 = UPDATE_TILES * (warp / V_TILES);          // ... and its first feature tile
+  const int warp = warpid(), lane = laneid();
+  const int cg = warp % 4, fh = warp / 4;
+  const int c0 = 16 * cg;            // this warp's first column inside the block
   const int64_t head = int64_t(b) * p.heads + h;
 
   const auto Q = gl<T>::contiguous((T*)p.q, p.batch, p.seq, p.heads, FEATURE_DIM);
   const auto K = gl<T>::contiguous((T*)p.k, p.batch, p.seq, p.heads, FEATURE_DIM);
-  // Views of 64 (V) and V_WARP (Y) columns of the full [batch, seq, heads, value_dim] rows.
+  // Views of this block's 64 columns (V) and this warp's 16 columns (Y) of [batch, seq, heads, Dv].
   const int64_t seq_stride = int64_t(p.heads) * p.value_dim, batch_stride = int64_t(p.seq) * seq_stride;
   const gl<T> V{(T*)p.v + v0, p.batch, p.seq, p.heads, V_BLOCK, batch_stride, seq_stride, p.value_dim};
-  const gl<T> Y{(T*)p.y + v0 + V_WARP * v_part, p.batch, p.seq, p.heads, V_WARP, batch_stride, seq_stride,
-                p.value_dim};
+  const gl<T> Y{(T*)p.y + v0 + c0, p.batch, p.seq, p.heads, 16, batch_stride, seq_stride, p.value_dim};
 
-  // The first chunk starts loading while the initial state is read.
   load_async<FWD_THREADS>(s.q[0], Q, {b, h, 0});
   load_async<FWD_THREADS>(s.k[0], K, {b, h, 0});
   load_async<FWD_THREADS>(s.v[0], V, {b, h, 0});
   cp_async_commit();
 
-  // S^T and z from S0 and z0 (read in the external feature order, so reads are coalesced).
-  const float* state0 = p.state0 + head * NUM_FEATURES * p.value_dim + v0;
-  for (int i = threadIdx.x; i < PADDED_FEATURES * V_BLOCK; i += FWD_THREADS) {
-    const int f = i / V_BLOCK, v = i % V_BLOCK;
-    if (f < NUM_FEATURES)
-      s.state[v * STATE_STRIDE + internal_feature(f)] = state0[int64_t(f) * p.value_dim + v];
-    else
-      s.state[v * STATE_STRIDE + f] = 0.f;  // padding features stay zero
+  // The state tiles from S0 (external order, scaled back to unscaled sums).
+  rt_base<float, layout::row> state[OWN_TILES];
+  const float* state0 = p.state0 + head * NUM_FEATURES * p.value_dim + v0 + c0;
+#pragma unroll
+  for (int i = 0; i < OWN_TILES; i++) {
+    const float unscale = 1.f / external_scale(i, fh);
+#pragma unroll
+    for (int r = 0; r < 4; r++) {  // element (column fragment_row(r), feature fragment_col(r, j))
+      float pair[2];
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        const int f = external_feature(i, fh, fragment_col(r, j));
+        pair[j] = f < 0 ? 0.f : state0[int64_t(f) * p.value_dim + fragment_row(r)] * unscale;
+      }
+      state[i].data[r] = make_float2(pair[0], pair[1]);
+    }
   }
-  for (int f = threadIdx.x; f < PADDED_FEATURES; f += FWD_THREADS) {
-    if (f < NUM_FEATURES)
-      s.z[internal_feature(f)] = p.z0[head * NUM_FEATURES + f];
-    else
-      s.z[f] = 0.f;
-  }
+  for (int f = threadIdx.x; f < PADDED_FEATURES; f += FWD_THREADS)
+    s.z[f < NUM_FEATURES ? internal_feature(f) : f] = f < NUM_FEATURES ? p.z0[head * NUM_FEATURES + f] : 0.f;
+
+  // Row tiles in this warp's order: the two it finishes first, then the two it hands over.
+  int row_tile[ROW_TILES];
+#pragma unroll
+  for (int i = 0; i < ROW_TILES; i++) row_tile[i] = (2 * fh + i) % ROW_TILES;
 
   const int num_chunks = (p.seq + CHUNK - 1) / CHUNK;
   for (int chunk = 0; chunk < num_chunks; chunk++) {
@@ -177,99 +206,132 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
       cp_async_commit();
     }
 
-    // 1. phi(K) for the state update.
-    build_features<FWD_THREADS>(s.phi_k, s.k[stage], real_tokens);
+    // 1. Partial y over this warp's feature tiles, all four row tiles.
+    rt<T, 16, FEATURE_DIM> q[ROW_TILES];
+#pragma unroll
+    for (int i = 0; i < ROW_TILES; i++) load(q[i], s.q[stage], 16 * row_tile[i], 0);
+    rt_fl<16, 16> y[ROW_TILES];
+#pragma unroll
+    for (int i = 0; i < ROW_TILES; i++) zero(y[i]);
+#pragma unroll
+    for (int own = 0; own < OWN_TILES; own++) {
+      const auto s_op = state_operand(state[own], tile_scale(own, fh));
+#pragma unroll
+      for (int i = 0; i < ROW_TILES; i++) detail::mma_base(y[i].tiles[0][0], phi_q_tile(q[i].tiles[0][0], own, fh), s_op);
+    }
+#pragma unroll
+    for (int i = 2; i < ROW_TILES; i++)
+#pragma unroll
+      for (int half = 0; half < 2; half++)
+        s.partial[warp][i - 2][lane][half] =
+            make_float4(y[i].tiles[0][0].data[2 * half].x, y[i].tiles[0][0].data[2 * half].y,
+                        y[i].tiles[0][0].data[2 * half + 1].x, y[i].tiles[0][0].data[2 * half + 1].y);
+    // phi(q) . z for row tile 2 fh + (cg & 1), half of its features (cg >> 1) per warp.
+    const auto state_normaliser = [&](const rt<T, 16, FEATURE_DIM>& q_tile) {
+      const int row0 = 16 * (2 * fh + (cg & 1)), half = cg >> 1;
+      float q_rows[2][8];
+      load_row_piece(q_rows[0], s.q[stage], row0 + (lane >> 2), 8 * half);
+      load_row_piece(q_rows[1], s.q[stage], row0 + (lane >> 2) + 8, 8 * half);
+      const row_vec<16> den = normaliser_from_state(q_rows, q_tile, s.z, half);
+      if ((lane & 3) == 0) {
+        s.den_state[half][row0 + (lane >> 2)] = den.data[0][0];
+        s.den_state[half][row0 + (lane >> 2) + 8] = den.data[0][1];
+      }
+    };
+    if ((cg & 1) == 0)  // q[0] and q[1] hold row tiles 2 fh and 2 fh + 1
+      state_normaliser(q[0]);
+    else
+      state_normaliser(q[1]);
 
-    // 2. y for this warp's 16 rows and V_WARP columns.
-    {
-      const int row0 = 16 * strip;
-      rt<T, 16, FEATURE_DIM> q;
-      load(q, s.q[stage], row0, 0);
-
-      // Inside the chunk: A = tril(1 + s + s^2/2) over the real keys.
-      rt<T, CHUNK, FEATURE_DIM> k;
-      load(k, s.k[stage], 0, 0);
-      rt_fl<16, CHUNK> weights;
-      zero(weights);
-      mma_ABt(weights, q, k, weights);
-      for_each(weights, [&](float& x, int r, int key) {
+    // 2a. The intra-chunk term of this warp's two row tiles (keys of later tiles are all masked).
+    rt<T, CHUNK, 16, layout::col> v_c;  // V_C [64 tokens x 16 columns] as a B operand
+    load(v_c, s.v[stage], 0, c0);
+    row_vec<16> den[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      const int m = row_tile[i];
+      rt_fl<16, CHUNK> w;
+      zero(w);
+#pragma unroll
+      for (int kt = 0; kt < ROW_TILES; kt++)
+        if (kt <= m) {
+          rt<T, 16, FEATURE_DIM> k;
+          load(k, s.k[stage], 16 * kt, 0);
+          detail::mma_base(w.tiles[0][kt], q[i].tiles[0][0], k.tiles[0][0]);
+        }
+      for_each(w, [&](float& x, int r, int key) {
         const float sc = 0.25f * x;
-        x = (key <= row0 + r && key < real_tokens) ? 1.f + sc + 0.5f * sc * sc : 0.f;
+        x = (key <= 16 * m + r && key < real_tokens) ? 1.f + sc + 0.5f * sc * sc : 0.f;
       });
       // The tensor cores see the weights rounded to 16 bits; the normaliser sums the same
       // rounded values, so that y is exactly a weighted mean (y = v when one key is visible).
-      rt<T, 16, CHUNK> weights16;
-      copy(weights16, weights);
-      copy(weights, weights16);
-      row_vec<16> den;
-      row_sum(den, weights);
-      rt<T, CHUNK, V_WARP, layout::col> v;
-      load(v, s.v[stage], 0, V_WARP * v_part);
-      rt_fl<16, V_WARP> y;
-      zero(y);
-      mma_AB(y, weights16, v, y);
+      rt<T, 16, CHUNK> w16;
+      copy(w16, w);
+      copy(w, w16);
+      row_sum(den[i], w);
+#pragma unroll
+      for (int kt = 0; kt < ROW_TILES; kt++)
+        if (kt <= m) detail::mma_base(y[i].tiles[0][0], w16.tiles[0][kt], v_c.tiles[kt][0]);
+    }
+    __syncthreads();  // partials and phi(q) . z are in shared memory
 
-      // Everything before the chunk, through the state.
-      float q_rows[2][FEATURE_DIM];  // all 16 features of this lane's rows g and g + 8
-      load_row(q_rows[0], s.q[stage], row0 + (laneid() >> 2));
-      load_row(q_rows[1], s.q[stage], row0 + (laneid() >> 2) + 8);
-      normaliser_from_state(den, q_rows, q, s.z);
-      const auto add_state_term = [&](int tile, const rt<bf16, 16, 16>& phi_q) {
-        rt<bf16, 16, V_WARP, layout::col> state_op;
-        load_state_operand(state_op, s.state, 16 * tile, V_WARP * v_part);
-        mma_AB(y, phi_q, state_op, y);
-      };
-#pragma unroll 2
-      for (int a = 0; a < FEATURE_DIM; a++) {
-        const float xa[2] = {to_float(*s.q[stage].ptr(row0 + (laneid() >> 2), a)),
-                             to_float(*s.q[stage].ptr(row0 + (laneid() >> 2) + 8, a))};
-        add_state_term(a, second_order_tile(xa, q));
+    // 2b. Finish rows: add the other half's partial, normalise, store.
+    const int partner = warp ^ 4;  // same columns, other feature half
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      const int row0 = 16 * row_tile[i];
+#pragma unroll
+      for (int half = 0; half < 2; half++) {
+        const float4 x = s.partial[partner][i][lane][half];
+        float2& lo = y[i].tiles[0][0].data[2 * half];
+        float2& hi = y[i].tiles[0][0].data[2 * half + 1];
+        lo.x += x.x, lo.y += x.y, hi.x += x.z, hi.y += x.w;
       }
-      add_state_term(16, first_order_tile(q));
-      add_state_term(17, constant_tile());
-
-      // The normaliser is a residual of the backward (y = num / (den + eps)); one warp per
-      // row strip writes it, lane c = 0 of each quad for rows g and g + 8.
-      if (v_block == 0 && v_part == 0 && (laneid() & 3) == 0)
+#pragma unroll
+      for (int hh = 0; hh < 2; hh++) {
+        const int r = row0 + (lane >> 2) + 8 * hh;
+        den[i].data[0][hh] += s.den_state[0][r] + s.den_state[1][r];
+      }
+      if (v_block == 0 && cg == 0 && (lane & 3) == 0)  // the backward's residual
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
-          const int t = t0 + row0 + (laneid() >> 2) + 8 * hh;
-          if (t < p.seq) p.den[head * p.seq + t] = den.data[0][hh];
+          const int t = t0 + row0 + (lane >> 2) + 8 * hh;
+          if (t < p.seq) p.den[head * p.seq + t] = den[i].data[0][hh];
         }
       if (p.normalize) {
         const float eps = p.eps;
-        map(den, [=](float d) { return 1.f / (d + eps); });
-        mul_row(y, den);
+        map(den[i], [=](float d) { return 1.f / (d + eps); });
+        mul_row(y[i], den[i]);
       }
-      store(Y, y, {b, h, t0 + row0});
+      store(Y, y[i], {b, h, t0 + row0});
     }
-    __syncthreads();  // every warp has read S and z of the previous chunks
 
-    // 3. Fold this chunk into the state.
-    {
-      rt<T, 16, CHUNK> v_t;  // V^T: this warp's 16 value columns as rows, all 64 tokens
+    // 3. Fold the chunk into the state: S_f^T += V_C^T Phi_f(K), 16 tokens at a time.
 #pragma unroll
-      for (int kt = 0; kt < CHUNK / 16; kt++) load_transposed(v_t.tiles[0][kt], s.v[stage], 16 * kt, state_rows);
-#pragma unroll 3
-      for (int i = 0; i < UPDATE_TILES; i++) {
-        const int f0 = 16 * (state_tile0 + i);
-        rt<T, CHUNK, 16, layout::col> phi;
-        load(phi, s.phi_k, 0, f0);
-        rt_fl<16, 16> acc;
-        zero(acc);
-        mma_AB(acc, v_t, phi, acc);
-        add_to_state(s.state, acc, state_rows, f0);
-      }
-      if (warp == FWD_WARPS - 1) accumulate_feature_sums(s.z, s.k[stage], nullptr, real_tokens);
+    for (int kt = 0; kt < ROW_TILES; kt++) {
+      rt<T, 16, FEATURE_DIM, layout::col> kc;
+      load(kc, s.k[stage], 16 * kt, 0);
+      const auto& v_t = reinterpret_cast<const rt_base<T, layout::row>&>(v_c.tiles[kt][0]);  // V_C^T
+#pragma unroll
+      for (int own = 0; own < OWN_TILES; own++)
+        detail::mma_base(state[own], v_t, phi_k_tile(kc.tiles[0][0], own, fh));
     }
+    if (warp == FWD_WARPS - 1) accumulate_feature_sums(s.z, s.k[stage], nullptr, real_tokens);
   }
-  __syncthreads();  // the last update is complete
+  __syncthreads();  // the last z update is complete
 
-  // The final state, back in the external feature order (writes coalesced along v).
-  float* state = p.state + head * NUM_FEATURES * p.value_dim + v0;
-  for (int i = threadIdx.x; i < NUM_FEATURES * V_BLOCK; i += FWD_THREADS) {
-    const int f = i / V_BLOCK, v = i % V_BLOCK;
-    state[int64_t(f) * p.value_dim + v] = s.state[v * STATE_STRIDE + internal_feature(f)];
+  // The final state, back in the external order and scale.
+  float* state_out = p.state + head * NUM_FEATURES * p.value_dim + v0 + c0;
+#pragma unroll
+  for (int i = 0; i < OWN_TILES; i++) {
+    const float scale = external_scale(i, fh);
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        const int f = external_feature(i, fh, fragment_col(r, j));
+        if (f >= 0) state_out[int64_t(f) * p.value_dim + fragment_row(r)] = (j ? state[i].data[r].y : state[i].data[r].x) * scale;
+      }
   }
   if (v_block == 0)  // z is the same for every block of the head
     for (int f = threadIdx.x; f < NUM_FEATURES; f += FWD_THREADS) p.z[head * NUM_FEATURES + f] = s.z[internal_feature(f)];
