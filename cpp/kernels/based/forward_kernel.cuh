@@ -90,21 +90,25 @@ __device__ __forceinline__ rt_base<bf16, layout::row> phi_q_tile(const rt_base<T
     // Column a = 8 fh + own of rows g, g + 8 sits in data[0] / data[1] (a < 8) or data[2] /
     // data[3] of the quad lane own / 2, as half own % 2 of the pair.
     const int src = (laneid() & ~3) | (own >> 1);
-    const uint32_t top = __shfl_sync(0xffffffff, fh ? bits(q.data[2]) : bits(q.data[0]), src);
-    const uint32_t bottom = __shfl_sync(0xffffffff, fh ? bits(q.data[3]) : bits(q.data[1]), src);
-    const float2 t = unpack(from_bits<packed_t<T>>(top)), u = unpack(from_bits<packed_t<T>>(bottom));
+    const auto top = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(q.data[2]) : bits(q.data[0]), src));
+    const auto bottom = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(q.data[3]) : bits(q.data[1]), src));
+    if constexpr (std::is_same_v<T, bf16>) {  // x_a x_b straight in bf16 (one rounding, as in fp32)
+      const bf16_2 xa_top = (own & 1) ? __high2bfloat162(top) : __low2bfloat162(top);
+      const bf16_2 xa_bottom = (own & 1) ? __high2bfloat162(bottom) : __low2bfloat162(bottom);
+      rt_base<bf16, layout::row> out;
+#pragma unroll
+      for (int r = 0; r < 4; r++) out.data[r] = __hmul2(q.data[r], (r & 1) ? xa_bottom : xa_top);
+      return out;
+    }
+    const float2 t = unpack(top), u = unpack(bottom);
     xa = (own & 1) ? make_float2(t.y, u.y) : make_float2(t.x, u.x);
   }
   rt_base<bf16, layout::row> out;
 #pragma unroll
   for (int r = 0; r < 4; r++) {
     const float s = (r & 1) ? xa.y : xa.x;
-    if constexpr (std::is_same_v<T, bf16>) {
-      out.data[r] = __hmul2(q.data[r], __float2bfloat162_rn(s));  // s is a bf16 value: exact
-    } else {
-      const float2 x = unpack(q.data[r]);
-      out.data[r] = pack<bf16>(x.x * s, x.y * s);
-    }
+    const float2 x = unpack(q.data[r]);
+    out.data[r] = pack<bf16>(x.x * s, x.y * s);
   }
   if (own == 8 && fh == 1) out = constant_tile().tiles[0][0];
   return out;
@@ -188,10 +192,12 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
   for (int f = threadIdx.x; f < PADDED_FEATURES; f += FWD_THREADS)
     s.z[f < NUM_FEATURES ? internal_feature(f) : f] = f < NUM_FEATURES ? p.z0[head * NUM_FEATURES + f] : 0.f;
 
-  // Row tiles in this warp's order: the two it finishes first, then the two it hands over.
+  // Row tiles in this warp's order: the two it finishes, then the two it hands over. A
+  // finished tile costs intra-chunk work in proportion to its index (causal), so each half
+  // finishes one early and one late tile: fh = 0 rows 0-15 and 48-63, fh = 1 rows 16-47.
   int row_tile[ROW_TILES];
 #pragma unroll
-  for (int i = 0; i < ROW_TILES; i++) row_tile[i] = (2 * fh + i) % ROW_TILES;
+  for (int i = 0; i < ROW_TILES; i++) row_tile[i] = (fh == 0 ? 0x2130 : 0x3021) >> (4 * i) & 0xF;
 
   const int num_chunks = (p.seq + CHUNK - 1) / CHUNK;
   for (int chunk = 0; chunk < num_chunks; chunk++) {
@@ -226,9 +232,9 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
         s.partial[warp][i - 2][lane][half] =
             make_float4(y[i].tiles[0][0].data[2 * half].x, y[i].tiles[0][0].data[2 * half].y,
                         y[i].tiles[0][0].data[2 * half + 1].x, y[i].tiles[0][0].data[2 * half + 1].y);
-    // phi(q) . z for row tile 2 fh + (cg & 1), half of its features (cg >> 1) per warp.
-    const auto state_normaliser = [&](const rt<T, 16, FEATURE_DIM>& q_tile) {
-      const int row0 = 16 * (2 * fh + (cg & 1)), half = cg >> 1;
+    // phi(q) . z for finished row tile cg & 1, half of its features (cg >> 1) per warp.
+    const auto state_normaliser = [&](const rt<T, 16, FEATURE_DIM>& q_tile, int row_tile) {
+      const int row0 = 16 * row_tile, half = cg >> 1;
       float q_rows[2][8];
       load_row_piece(q_rows[0], s.q[stage], row0 + (lane >> 2), 8 * half);
       load_row_piece(q_rows[1], s.q[stage], row0 + (lane >> 2) + 8, 8 * half);
@@ -238,40 +244,45 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
         s.den_state[half][row0 + (lane >> 2) + 8] = den.data[0][1];
       }
     };
-    if ((cg & 1) == 0)  // q[0] and q[1] hold row tiles 2 fh and 2 fh + 1
-      state_normaliser(q[0]);
+    if ((cg & 1) == 0)
+      state_normaliser(q[0], row_tile[0]);
     else
-      state_normaliser(q[1]);
+      state_normaliser(q[1], row_tile[1]);
 
-    // 2a. The intra-chunk term of this warp's two row tiles (keys of later tiles are all masked).
+    // 2a. The intra-chunk term of this warp's two row tiles: weights 1 + s + s^2/2 with
+    // s = q.k / 4, i.e. 1 + x/4 + x^2/32 for x = q.k, over the keys up to the row (key tiles
+    // past the diagonal are skipped; only the diagonal tile and a sequence tail need masks).
     rt<T, CHUNK, 16, layout::col> v_c;  // V_C [64 tokens x 16 columns] as a B operand
     load(v_c, s.v[stage], 0, c0);
+    const uint32_t ones = bits(pack<T>(1.f, 1.f));
     row_vec<16> den[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
       const int m = row_tile[i];
-      rt_fl<16, CHUNK> w;
-      zero(w);
+      float2 weight_sum[2] = {{0.f, 0.f}, {0.f, 0.f}};  // rows g, g + 8 (every column the same)
 #pragma unroll
       for (int kt = 0; kt < ROW_TILES; kt++)
         if (kt <= m) {
           rt<T, 16, FEATURE_DIM> k;
           load(k, s.k[stage], 16 * kt, 0);
-          detail::mma_base(w.tiles[0][kt], q[i].tiles[0][0], k.tiles[0][0]);
+          rt_fl<16, 16> w;
+          zero(w);
+          detail::mma_base(w.tiles[0][0], q[i].tiles[0][0], k.tiles[0][0]);
+          map(w, [](float x) { return fmaf(x, fmaf(x, 1.f / 32, 0.25f), 1.f); });
+          if (kt == m || real_tokens < CHUNK)
+            for_each(w, [&](float& x, int r, int key) {
+              if (16 * kt + key > 16 * m + r || 16 * kt + key >= real_tokens) x = 0.f;
+            });
+          // The tensor cores see the weights rounded to 16 bits; the normaliser sums the same
+          // rounded values (an mma with a column of ones), so that y is exactly a weighted
+          // mean (y = v when one key is visible).
+          rt<T, 16, 16> w16;
+          copy(w16, w);
+          detail::mma_base(y[i].tiles[0][0], w16.tiles[0][0], v_c.tiles[kt][0]);
+          detail::mma_16816(weight_sum[0], weight_sum[1], w16.tiles[0][0], ones, ones);
         }
-      for_each(w, [&](float& x, int r, int key) {
-        const float sc = 0.25f * x;
-        x = (key <= 16 * m + r && key < real_tokens) ? 1.f + sc + 0.5f * sc * sc : 0.f;
-      });
-      // The tensor cores see the weights rounded to 16 bits; the normaliser sums the same
-      // rounded values, so that y is exactly a weighted mean (y = v when one key is visible).
-      rt<T, 16, CHUNK> w16;
-      copy(w16, w);
-      copy(w, w16);
-      row_sum(den[i], w);
-#pragma unroll
-      for (int kt = 0; kt < ROW_TILES; kt++)
-        if (kt <= m) detail::mma_base(y[i].tiles[0][0], w16.tiles[0][kt], v_c.tiles[kt][0]);
+      den[i].data[0][0] = weight_sum[0].x;
+      den[i].data[0][1] = weight_sum[1].x;
     }
     __syncthreads();  // partials and phi(q) . z are in shared memory
 
