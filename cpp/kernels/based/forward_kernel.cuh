@@ -11,9 +11,9 @@
 // registers a lane). Transposed because then both products with the state need no shuffle:
 //   update   S_f^T += V_C^T Phi_f(K)    A = V_C^T is V's col-layout fragment, reinterpreted
 //   output   y_C   += Phi_f(Q) S_f      B = S_f is S_f^T's accumulator, rounded to bf16
-// The tiles hold unscaled sums (sum_j k_ja k_jb v_j, sum_j k_j v_j, sum_j v_j); the feature
-// map's constants are powers of two (1/32 for the second order, 1/4 for the first, since
-// phi(q).phi(k) = 1 + q.k/4 + (q.k)^2/32), applied exactly when the state is rounded for use.
+// The feature map's constants are powers of two (phi(q).phi(k) = 1 + q.k/4 + (q.k)^2/32), so
+// the tiles hold plain sums (sum_j k_ja k_jb v_j / 32, sum_j k_j v_j, sum_j v_j) and the
+// constants are applied exactly: the 1/32 with k_a in the update, the 1/4 when rounding.
 //
 // Per chunk (t0 = its first token), with Q, K, V in shared memory:
 //   1. each warp: its partial y_C over its 9 feature tiles for all 64 rows (4 row tiles);
@@ -60,11 +60,12 @@ struct forward_shared {
 // Warp half fh owns feature tiles own = 0..8: second-order tile a = 8 fh + own for own < 8,
 // then the first-order tile (fh = 0) or the constant tile (fh = 1). `own` is a compile-time
 // index (it picks registers); fh is a run-time value, so that both halves run the same code.
-// The power of two that turns the unscaled state tile into the one phi(q) multiplies ...
-__device__ __forceinline__ float tile_scale(int own, int fh) { return own < 8 ? 1.f / 32 : fh == 0 ? 0.25f : 1.f; }
-// ... and the factor between the unscaled tile and the external state (S of the API).
+// The second-order tiles hold sum_j k_ja k_jb v_j / 32, the first-order sum_j k_j v_j, the
+// constant sum_j v_j. The power of two that turns a tile into the one phi(q) multiplies ...
+__device__ __forceinline__ float tile_scale(int own, int fh) { return own < 8 ? 1.f : fh == 0 ? 0.25f : 1.f; }
+// ... and the factor between a tile and the external state (S of the API).
 __device__ __forceinline__ float external_scale(int own, int fh) {
-  return own < 8 ? SECOND_ORDER_SCALE : fh == 0 ? FIRST_ORDER_SCALE : 1.f;
+  return own < 8 ? 32 * SECOND_ORDER_SCALE : fh == 0 ? FIRST_ORDER_SCALE : 1.f;
 }
 // External feature index of column b of tile `own`, or -1 for padding.
 __device__ __forceinline__ int external_feature(int own, int fh, int b) {
@@ -81,51 +82,60 @@ __device__ __forceinline__ T2 from_bits(uint32_t x) {
   return *reinterpret_cast<T2*>(&x);
 }
 
-// The A operand of phi(Q) for tile `own` (second order: x_a x_b; first order: x_b; constant:
-// 1 in column 0), unscaled, from the row-layout fragment of a 16-row tile of Q.
+// The A operands of phi(Q) for second-order tiles a and a + 1 (a = 8 fh + 2 j): x_a x_b and
+// x_{a+1} x_b, from the row-layout fragment of a 16-row tile of Q. The pair (x_a, x_{a+1}) of
+// rows g and g + 8 sits in data[0] / data[1] (a < 8) or data[2] / data[3] of quad lane j.
 template <typename T>
-__device__ __forceinline__ rt_base<bf16, layout::row> phi_q_tile(const rt_base<T, layout::row>& q, int own, int fh) {
-  float2 xa = make_float2(1.f, 1.f);  // x_a of rows g and g + 8
-  if (own < 8) {
-    // Column a = 8 fh + own of rows g, g + 8 sits in data[0] / data[1] (a < 8) or data[2] /
-    // data[3] of the quad lane own / 2, as half own % 2 of the pair.
-    const int src = (laneid() & ~3) | (own >> 1);
-    const auto top = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(q.data[2]) : bits(q.data[0]), src));
-    const auto bottom = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(q.data[3]) : bits(q.data[1]), src));
-    if constexpr (std::is_same_v<T, bf16>) {  // x_a x_b straight in bf16 (one rounding, as in fp32)
-      const bf16_2 xa_top = (own & 1) ? __high2bfloat162(top) : __low2bfloat162(top);
-      const bf16_2 xa_bottom = (own & 1) ? __high2bfloat162(bottom) : __low2bfloat162(bottom);
-      rt_base<bf16, layout::row> out;
+__device__ __forceinline__ void phi_q_pair(rt_base<bf16, layout::row>& phi0, rt_base<bf16, layout::row>& phi1,
+                                           const rt_base<T, layout::row>& q, int j, int fh) {
+  const int src = (laneid() & ~3) | j;
+  const auto top = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(q.data[2]) : bits(q.data[0]), src));
+  const auto bottom = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(q.data[3]) : bits(q.data[1]), src));
+  if constexpr (std::is_same_v<T, bf16>) {  // x_a x_b straight in bf16 (one rounding, as from fp32)
 #pragma unroll
-      for (int r = 0; r < 4; r++) out.data[r] = __hmul2(q.data[r], (r & 1) ? xa_bottom : xa_top);
-      return out;
+    for (int r = 0; r < 4; r++) {
+      phi0.data[r] = __hmul2(q.data[r], __low2bfloat162((r & 1) ? bottom : top));
+      phi1.data[r] = __hmul2(q.data[r], __high2bfloat162((r & 1) ? bottom : top));
     }
+  } else {  // bf16 operands from fp16 inputs, through fp32
     const float2 t = unpack(top), u = unpack(bottom);
-    xa = (own & 1) ? make_float2(t.y, u.y) : make_float2(t.x, u.x);
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const float2 x = unpack(q.data[r]);
+      const float2 xa = (r & 1) ? u : t;
+      phi0.data[r] = pack<bf16>(x.x * xa.x, x.y * xa.x);
+      phi1.data[r] = pack<bf16>(x.x * xa.y, x.y * xa.y);
+    }
   }
+}
+
+// The A operand of phi(Q) for the last tile: x_b (fh = 0) or the constant 1 in column 0.
+template <typename T>
+__device__ __forceinline__ rt_base<bf16, layout::row> phi_q_last(const rt_base<T, layout::row>& q, int fh) {
+  if (fh == 1) return constant_tile().tiles[0][0];
   rt_base<bf16, layout::row> out;
 #pragma unroll
   for (int r = 0; r < 4; r++) {
-    const float s = (r & 1) ? xa.y : xa.x;
     const float2 x = unpack(q.data[r]);
-    out.data[r] = pack<bf16>(x.x * s, x.y * s);
+    out.data[r] = pack<bf16>(x.x, x.y);
   }
-  if (own == 8 && fh == 1) out = constant_tile().tiles[0][0];
   return out;
 }
 
 // The B operand Phi(K) [16 tokens x 16 features] of tile `own` for the update, in the input
-// type, from K's col-layout fragment kc of 16 tokens (K^T's row-layout fragment: b = g, t = 2c..).
+// type, from K's col-layout fragment kc of 16 tokens (K^T's row-layout fragment: b = g,
+// t = 2c..) and kc32 = kc / 32 (the second-order tiles hold sums / 32).
 template <typename T>
-__device__ __forceinline__ rt_base<T, layout::col> phi_k_tile(const rt_base<T, layout::col>& kc, int own, int fh) {
+__device__ __forceinline__ rt_base<T, layout::col> phi_k_tile(const rt_base<T, layout::col>& kc,
+                                                              const rt_base<T, layout::col>& kc32, int own, int fh) {
   rt_base<T, layout::col> out = kc;  // the first-order tile
   if (own < 8) {
     // data[0], data[1] hold tokens 2c, 2c+1 and data[2], data[3] tokens 2c+8, 2c+9; each is
-    // scaled by k_a of its tokens, which the lane with g = a % 8 holds in the same positions
-    // (data[0] / data[2] for a < 8, data[1] / data[3] for a >= 8).
+    // scaled by k_a / 32 of its tokens, which the lane with g = a % 8 holds in the same
+    // positions (data[0] / data[2] for a < 8, data[1] / data[3] for a >= 8).
     const int src = 4 * own + (laneid() & 3);
-    const auto lo = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(kc.data[1]) : bits(kc.data[0]), src));
-    const auto hi = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(kc.data[3]) : bits(kc.data[2]), src));
+    const auto lo = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(kc32.data[1]) : bits(kc32.data[0]), src));
+    const auto hi = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(kc32.data[3]) : bits(kc32.data[2]), src));
     out.data[0] = __hmul2(kc.data[0], lo);
     out.data[1] = __hmul2(kc.data[1], lo);
     out.data[2] = __hmul2(kc.data[2], hi);
@@ -138,8 +148,8 @@ __device__ __forceinline__ rt_base<T, layout::col> phi_k_tile(const rt_base<T, l
   return out;
 }
 
-// The state tile as the bf16 B operand of phi(Q) S: S_f^T's accumulator scaled and rounded is
-// exactly S_f's col-layout fragment.
+// The state tile as the bf16 B operand of phi(Q) S: the tile's accumulator (S_f^T), scaled
+// and rounded, is exactly S_f's col-layout fragment.
 __device__ __forceinline__ rt_base<bf16, layout::col> state_operand(const rt_base<float, layout::row>& s, float scale) {
   rt_base<bf16, layout::col> out;
 #pragma unroll
@@ -220,10 +230,20 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
 #pragma unroll
     for (int i = 0; i < ROW_TILES; i++) zero(y[i]);
 #pragma unroll
-    for (int own = 0; own < OWN_TILES; own++) {
-      const auto s_op = state_operand(state[own], tile_scale(own, fh));
+    for (int j = 0; j < 4; j++) {  // second-order tiles in pairs (one shuffle serves both)
+      const auto s_op0 = state_operand(state[2 * j], 1.f), s_op1 = state_operand(state[2 * j + 1], 1.f);
 #pragma unroll
-      for (int i = 0; i < ROW_TILES; i++) detail::mma_base(y[i].tiles[0][0], phi_q_tile(q[i].tiles[0][0], own, fh), s_op);
+      for (int i = 0; i < ROW_TILES; i++) {
+        rt_base<bf16, layout::row> phi0, phi1;
+        phi_q_pair(phi0, phi1, q[i].tiles[0][0], j, fh);
+        detail::mma_base(y[i].tiles[0][0], phi0, s_op0);
+        detail::mma_base(y[i].tiles[0][0], phi1, s_op1);
+      }
+    }
+    {
+      const auto s_op = state_operand(state[8], tile_scale(8, fh));
+#pragma unroll
+      for (int i = 0; i < ROW_TILES; i++) detail::mma_base(y[i].tiles[0][0], phi_q_last(q[i].tiles[0][0], fh), s_op);
     }
 #pragma unroll
     for (int i = 2; i < ROW_TILES; i++)
@@ -322,10 +342,13 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
     for (int kt = 0; kt < ROW_TILES; kt++) {
       rt<T, 16, FEATURE_DIM, layout::col> kc;
       load(kc, s.k[stage], 16 * kt, 0);
+      rt_base<T, layout::col> kc32;
+#pragma unroll
+      for (int r = 0; r < 4; r++) kc32.data[r] = __hmul2(kc.tiles[0][0].data[r], pack<T>(1.f / 32, 1.f / 32));
       const auto& v_t = reinterpret_cast<const rt_base<T, layout::row>&>(v_c.tiles[kt][0]);  // V_C^T
 #pragma unroll
       for (int own = 0; own < OWN_TILES; own++)
-        detail::mma_base(state[own], v_t, phi_k_tile(kc.tiles[0][0], own, fh));
+        detail::mma_base(state[own], v_t, phi_k_tile(kc.tiles[0][0], kc32, own, fh));
     }
     if (warp == FWD_WARPS - 1) accumulate_feature_sums(s.z, s.k[stage], nullptr, real_tokens);
   }
