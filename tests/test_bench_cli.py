@@ -289,11 +289,15 @@ def test_scale_suite_ring_pieces_estimate_and_report(capsys):
         return {"config": config, "contender": name, "status": status, "reason": reason,
                 "median_ms": ms, "metrics": {"collectives": []}}
 
-    ring_t = 128
+    ring_t, lm_batch = 128, scale.TINY.lm_batch
+    assert scale.lm_batches(lm_batch, 1) == [lm_batch]
+    assert scale.lm_batches(lm_batch, 2) == [lm_batch, 2 * lm_batch]
     results = [
         result(scale.ATTENTION, scale.SHARDED_ATTENTION, 1, 10.0),
         result(scale.ATTENTION, scale.SHARDED_ATTENTION, 2, 5.0),
-        result(scale.LM, scale.LM_STEP, 1, status="error",
+        result(scale.LM, scale.LM_STEP, 1, 10.0, batch=lm_batch),
+        result(scale.LM, scale.LM_STEP, 2, 6.0, batch=lm_batch),            # strong scaling
+        result(scale.LM, scale.LM_STEP, 2, status="error", batch=2 * lm_batch,  # weak
                reason="XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory"),
         result(scale.RING, scale.FLASH_WHOLE, 1, 8.0, t=ring_t),
         result(scale.RING, scale.RING_ATTENTION, 2, 5.0, t=ring_t),
@@ -306,8 +310,13 @@ def test_scale_suite_ring_pieces_estimate_and_report(capsys):
     lines = text.splitlines()
     attention_2 = next(line for line in lines if line.startswith("| 2 ") and "none" in line)
     assert "| 5.00 " in attention_2 and "2.00x" in attention_2 and "100%" in attention_2
-    lm_1 = next(line for line in lines if "OOM [1]" in line)
-    assert lm_1.startswith("| 1 ")
+    lm_section = text.split("### 2.")[1].split("### 3.")[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lm_section.splitlines()
+            if line.startswith("|")]
+    lm_strong = next(r for r in rows if r[:3] == ["2", str(lm_batch), str(lm_batch // 2)])
+    assert lm_strong[3] == "6.00" and lm_strong[6] == "1.67x"  # (8 seq / 6 ms) / (8 seq / 10 ms)
+    lm_weak = next(r for r in rows if "OOM [1]" in r)
+    assert lm_weak[:3] == ["2", str(2 * lm_batch), str(lm_batch)]
     assert "RESOURCE_EXHAUSTED" in text.split("Notes:")[1]
     ring_row = next(line for line in lines if line.startswith(f"| {ring_t} "))
     # speedup 8/5; sum of steps 1 + 3 = 4; overhead 5 - 4 = 1; comm 2*0.5 + 2*1 = 3;

@@ -143,6 +143,12 @@ def collectives(hlo_text: str) -> list[str]:
     return sorted({m.group(1) for m in COLLECTIVES.finditer(hlo_text)})
 
 
+def lm_batches(batch: int, devices: int) -> list[int]:
+    """Global batches of the data-parallel step on `devices`: `batch` (strong scaling) and,
+    on several devices, `batch` per device (weak scaling)."""
+    return [batch] if devices == 1 else [batch, batch * devices]
+
+
 def device_counts(num_visible: int) -> list[int]:
     """[1, N], or [1] when only one device is visible."""
     return [1] if num_visible <= 1 else [1, num_visible]
@@ -272,10 +278,10 @@ def prepare_ring_transfer(extra: dict, *, devices, t, sizes: Sizes, dtype: str,
     return _runner(lambda i: compiled(*args), devices)
 
 
-def prepare_lm_step(extra: dict, *, devices, sizes: Sizes, backend, seed=0) -> Runner:
-    """One data-parallel training step of a small BasedLM (next-token cross-entropy on random
-    tokens, optax adamw): tokens split over `devices` along the batch, parameters and
-    optimizer state replicated. Runs one step while preparing, to report its loss."""
+def prepare_lm_step(extra: dict, *, devices, sizes: Sizes, backend, batch: int, seed=0) -> Runner:
+    """One data-parallel training step of a BasedLM (next-token cross-entropy on random
+    tokens, optax adamw) on `batch` sequences split over `devices`, parameters and optimizer
+    state replicated. Runs one step while preparing, to report its loss."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -286,8 +292,8 @@ def prepare_lm_step(extra: dict, *, devices, sizes: Sizes, backend, seed=0) -> R
     from tk_jax.nn import BasedConfig, BasedLM
 
     n = len(devices)
-    if sizes.lm_batch % n:
-        raise Skipped(f"batch {sizes.lm_batch} is not divisible by {n} devices")
+    if batch % n:
+        raise Skipped(f"batch {batch} is not divisible by {n} devices")
     config = BasedConfig(
         vocab_size=sizes.lm_vocab, d_model=sizes.lm_d_model, num_layers=len(sizes.lm_layers),
         layer_pattern=tuple(sizes.lm_layers), based_heads=sizes.lm_heads,
@@ -311,7 +317,7 @@ def prepare_lm_step(extra: dict, *, devices, sizes: Sizes, backend, seed=0) -> R
     opt_state = jax.device_put(optimizer.init(params), replicated)
     # seq + 1 tokens per row: the model reads the first seq, predicts the last seq.
     tokens = np.random.default_rng(seed).integers(0, sizes.lm_vocab,
-                                                  (sizes.lm_batch, sizes.lm_seq + 1))
+                                                  (batch, sizes.lm_seq + 1))
     tokens = jax.device_put(tokens.astype(np.int32), split)
     compiled = _compile(train_step, (params, opt_state, tokens), extra,
                         in_shardings=(replicated, replicated, split),
@@ -380,13 +386,15 @@ def measure_all(rec: Recorder, devices, sizes: Sizes, *, backend: str, lm_backen
             prepare_flash, devices=devices[:count], batch=sizes.attn_batch, tq=sizes.attn_t,
             tk=sizes.attn_t, heads=sizes.attn_heads, d=sizes.attn_d, causal=True,
             spec_axis="batch", backend=backend))
-    # 2. Data-parallel BasedLM training step.
+    # 2. Data-parallel BasedLM training step: on N devices both the same global batch (strong
+    # scaling) and N times it (the same batch per device, as data-parallel training runs).
     for count in device_counts(n):
-        config = _config(LM, LM_STEP, count, batch=sizes.lm_batch, seq=sizes.lm_seq,
-                         d_model=sizes.lm_d_model, layers="-".join(sizes.lm_layers),
-                         backend=lm_backend)
-        rec.measure(config, functools.partial(prepare_lm_step, devices=devices[:count],
-                                              sizes=sizes, backend=lm_backend))
+        for batch in lm_batches(sizes.lm_batch, count):
+            config = _config(LM, LM_STEP, count, batch=batch, seq=sizes.lm_seq,
+                             d_model=sizes.lm_d_model, layers="-".join(sizes.lm_layers),
+                             backend=lm_backend)
+            rec.measure(config, functools.partial(prepare_lm_step, devices=devices[:count],
+                                                  sizes=sizes, backend=lm_backend, batch=batch))
     # 3. Ring attention, flash_attention on one device, and the ring's pieces alone.
     for t in ring_t:
         flash_on_one = functools.partial(prepare_flash, devices=devices[:1],
@@ -502,28 +510,34 @@ def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
           "call needs no collective.")
 
     # 2. Data-parallel BasedLM.
-    tokens = sizes.lm_batch * sizes.lm_seq
-    base = _ok_ms(find(LM, LM_STEP, 1))
+    base_r = find(LM, LM_STEP, 1, batch=sizes.lm_batch)
+    base_ms = _ok_ms(base_r)
+    base_per_s = base_ms and sizes.lm_batch * sizes.lm_seq / (base_ms * 1e-3)
     rows = []
     for count in device_counts(n):
-        r = find(LM, LM_STEP, count)
-        ms = _ok_ms(r)
-        per_s = ms and tokens / (ms * 1e-3)
-        loss = r["metrics"].get("first_step_loss") if r is not None and ms else None
-        rows.append([str(count), str(sizes.lm_batch), ms_cell(r), _fmt(per_s),
-                     _fmt(per_s and per_s / count), _fmt(base / ms if base and ms else None, "x"),
-                     _collectives_cell(r), _fmt(loss)])
-    backend = (find(LM, LM_STEP, 1) or {}).get("config", {}).get("backend", "?")
+        for batch in lm_batches(sizes.lm_batch, count):
+            r = find(LM, LM_STEP, count, batch=batch)
+            ms = _ok_ms(r)
+            per_s = ms and batch * sizes.lm_seq / (ms * 1e-3)
+            loss = r["metrics"].get("first_step_loss") if r is not None and ms else None
+            rows.append([str(count), str(batch), str(batch // count), ms_cell(r), _fmt(per_s),
+                         _fmt(per_s and per_s / count),
+                         _fmt(per_s / base_per_s if per_s and base_per_s else None, "x"),
+                         _collectives_cell(r), _fmt(loss)])
+    backend = (base_r or {}).get("config", {}).get("backend", "?")
     sections.append(
         f"### 2. Data-parallel BasedLM training step (layers {'-'.join(sizes.lm_layers)}, "
         f"d_model {sizes.lm_d_model}, seq {sizes.lm_seq}, vocab {sizes.lm_vocab}, bf16 "
         f"activations, adamw, backend={backend!r})\n\n"
-        + report.markdown_table(["devices", "global batch", "step (ms)", "tokens/s",
-                                 "tokens/s per device", "speedup", "collectives",
+        + report.markdown_table(["devices", "global batch", "batch per device", "step (ms)",
+                                 "tokens/s", "tokens/s per device", "speedup", "collectives",
                                  "loss (1st step)"], rows)
-        + f"\n\ntokens/s = {sizes.lm_batch} x {sizes.lm_seq} tokens / step time; speedup = "
-          "tokens/s on N devices / on 1. Parameters are replicated; the gradients are "
-          "all-reduced (the only collective expected).")
+        + f"\n\ntokens/s = global batch x {sizes.lm_seq} tokens / step time; speedup = "
+          "tokens/s on N devices / on 1 device at the base batch. On N devices the step runs "
+          "at the same global batch (strong scaling: each device gets 1/N of it) and at N "
+          "times it (weak scaling: the same batch per device, how data-parallel training is "
+          "run). Parameters are replicated; the gradients are all-reduced (the only "
+          "collective expected).")
 
     # 3. Ring attention.
     rows = []
