@@ -69,10 +69,11 @@ def kernel_path(monkeypatch):
                                normalize=False, eps=0.0, initial_state=(z0[..., None], z0))
         return y, s, z, jnp.swapaxes(den[..., 0], 1, 2)
 
-    def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize, eps):
+    def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize, eps, with_dq=True):
         def forward(q, k, v, s0, z0):
             return based_forward(q, k, v, normalize=normalize, eps=eps, initial_state=(s0, z0))
-        return jax.vjp(forward, q, k, v, s0, z0)[1]((dy, (d_state, d_z)))
+        dq, *rest = jax.vjp(forward, q, k, v, s0, z0)[1]((dy, (d_state, d_z)))
+        return (dq if with_dq else jnp.zeros_like(dq), *rest)
 
     def based_decode(q_t, k_t, v_t, s, z, *, normalize, eps):
         y, (s, z) = based_decode_step_reference(q_t, k_t, v_t, (s, z), normalize=normalize,

@@ -272,6 +272,27 @@ def test_backward_is_deterministic(hopper, rng):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.gpu
+def test_backward_without_dq_skips_only_dq(hopper, rng):
+    """with_dq=False (pass 2 of a split sequence) returns dq = 0 and the other gradients
+    bit for bit as with the dq sweep, Dv = 128 (two column blocks), a tail chunk."""
+    from tk_jax import _kernels
+
+    q, k, v = (jnp.asarray(x) for x in random_inputs(rng, 2, 200, 3, 128, jnp.bfloat16))
+    s0, z0 = (jnp.asarray(x) for x in random_state(rng, 2, 3, 128))
+    y, _, _, den = _kernels.based_fwd(q, k, v, s0, z0, normalize=True, eps=1e-6)
+    dy = jnp.asarray(rng.standard_normal(v.shape), jnp.bfloat16)
+    d_state = jnp.asarray(rng.standard_normal(s0.shape), jnp.float32)
+    d_z = jnp.asarray(rng.standard_normal(z0.shape), jnp.float32)
+    poison_device_memory(64 << 20)
+    full, no_dq = (jax.jit(lambda *xs, w=w: _kernels.based_bwd(*xs, normalize=True, eps=1e-6, with_dq=w))(
+        q, k, v, y, den, dy, s0, z0, d_state, d_z) for w in (True, False))
+    assert float(jnp.abs(full[0].astype(jnp.float32)).max()) > 0
+    np.testing.assert_array_equal(np.asarray(no_dq[0], np.float32), 0.0)
+    for a, b in zip(full[1:], no_dq[1:]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 # ------------------------------------------------------------------ the decode-step kernel
 
 @pytest.mark.gpu

@@ -116,8 +116,10 @@ def based_fwd(q, k, v, s0, z0, *, normalize: bool, eps: float):
 
 
 
-def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize: bool, eps: float):
-    """(dq, dk, dv, dS0, dz0) from the Based backward kernel.
+def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize: bool, eps: float,
+              with_dq: bool = True):
+    """(dq, dk, dv, dS0, dz0) from the Based backward kernel (dq = 0 when not `with_dq`: the
+    kernel then skips its dq sweep, for callers that need only the rest).
 
     Forward inputs q, k, v, s0, z0 and outputs y, den (from based_fwd); cotangents dy of y and
     d_state, d_z of the final state. The kernel wants dnum = dy / (den + eps) and the
@@ -140,7 +142,7 @@ def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize: bool, eps
     call = jax.ffi.ffi_call("tk_based_bwd", out_types, vmap_method="broadcast_all")
     dq_parts, dk_parts, dv, ds0, dz0 = call(
         q, k, v, dy.astype(v.dtype), inv_den, dden, s0.astype(jnp.float32), z0.astype(jnp.float32),
-        d_state.astype(jnp.float32), d_z.astype(jnp.float32))
+        d_state.astype(jnp.float32), d_z.astype(jnp.float32), with_dq=np.int64(1 if with_dq else 0))
     return dq_parts.sum(-2).astype(q.dtype), dk_parts.sum(-2).astype(k.dtype), dv, ds0, dz0
 
 

@@ -120,18 +120,19 @@ def forward(kernel, q, k, v, s0, z0, groups: int, *, normalize: bool, eps: float
 
 def backward(kernel, q, k, v, y, den, dy, starts, d_state, d_z, *, normalize: bool, eps: float):
     """The backward kernel over the groups of forward(); kernel(q, k, v, y, den, dy, s0, z0, dS,
-    dz, normalize=, eps=) -> (dq, dk, dv, dS0, dz0). Returns the same for the whole sequence."""
+    dz, normalize=, eps=, with_dq=) -> (dq, dk, dv, dS0, dz0). Returns the same for the whole
+    sequence."""
     batch, seq_len = q.shape[:2]
     start_s, start_z = starts
     groups = start_s.shape[0] // batch
     padded = _padded_length(seq_len, groups)
     gq, gk, gv, gy, gdy = (_to_groups(x, groups, padded) for x in (q, k, v, y, dy))
     gden = _stats_to_groups(den, groups, padded, fill=1.0)  # padded rows: dy = 0, den finite
-    run = lambda end_s, end_z: kernel(gq, gk, gv, gy, gden, gdy, start_s, start_z, end_s, end_z,
-                                      normalize=normalize, eps=eps)
-    dq, _, _, own_s, own_z = run(jnp.zeros_like(start_s), jnp.zeros_like(start_z))
+    run = lambda end_s, end_z, with_dq: kernel(gq, gk, gv, gy, gden, gdy, start_s, start_z, end_s,
+                                               end_z, normalize=normalize, eps=eps, with_dq=with_dq)
+    dq, _, _, own_s, own_z = run(jnp.zeros_like(start_s), jnp.zeros_like(start_z), True)
     end_s = _plus_prefix(d_state, own_s, batch, reverse=True)
     end_z = _plus_prefix(d_z, own_z, batch, reverse=True)
-    _, dk, dv, ds0, dz0 = run(end_s, end_z)
+    _, dk, dv, ds0, dz0 = run(end_s, end_z, False)  # dq is pass 1's: skip its sweep here
     dq, dk, dv = (_from_groups(g, batch, seq_len) for g in (dq, dk, dv))
     return dq, dk, dv, _per_group(ds0, batch)[:, 0], _per_group(dz0, batch)[:, 0]

@@ -98,13 +98,14 @@ ffi::Error BasedForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
 
 // Inputs q, k [..., T, H, 16], v and dy [..., T, H, Dv], inv_den and dden [..., H, T] f32, S0 and
 // dS [..., H, 273, Dv] f32, z0 and dz [..., H, 273] f32; outputs the partial sums dq_parts and
-// dk_parts [..., T, H, Dv / 64, 16] f32, dv like v, dS0 like S0, dz0 like z0.
+// dk_parts [..., T, H, Dv / 64, 16] f32, dv like v, dS0 like S0, dz0 like z0. Attribute
+// with_dq = 0 skips the dq sweep (dq_parts come back zero).
 ffi::Error BasedBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dy,
                          ffi::Buffer<ffi::F32> inv_den, ffi::Buffer<ffi::F32> dden, ffi::Buffer<ffi::F32> state0,
                          ffi::Buffer<ffi::F32> z0, ffi::Buffer<ffi::F32> d_state, ffi::Buffer<ffi::F32> d_z,
                          ffi::Result<ffi::Buffer<ffi::F32>> dq_parts, ffi::Result<ffi::Buffer<ffi::F32>> dk_parts,
                          ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> d_state0,
-                         ffi::Result<ffi::Buffer<ffi::F32>> d_z0) {
+                         ffi::Result<ffi::Buffer<ffi::F32>> d_z0, int64_t with_dq) {
   using tk::based::FEATURE_DIM;
   using tk::based::NUM_FEATURES;
   const auto qd = q.dimensions(), vd = v.dimensions();
@@ -159,6 +160,7 @@ ffi::Error BasedBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   p.seq = int(seq);
   p.heads = int(heads);
   p.value_dim = int(value_dim);
+  p.with_dq = with_dq != 0;
   p.dtype = dtype == ffi::BF16 ? tk::based::DType::bf16 : tk::based::DType::fp16;
   if (const char* why = tk::based::backward_unsupported(p)) return invalid_bwd(why);
 
@@ -250,7 +252,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_bwd, BasedBackward,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dk_parts
                                   .Ret<ffi::AnyBuffer>()          // dv
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dS0
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // dz0
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dz0
+                                  .Attr<int64_t>("with_dq"));     // 0: skip the dq sweep, dq_parts = 0
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_decode, BasedDecode,
                               ffi::Ffi::Bind()

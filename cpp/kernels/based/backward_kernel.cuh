@@ -276,15 +276,17 @@ __device__ __forceinline__ void read_state(float* state, float* vec_state, const
 }
 
 // The chunk's summed dq or dk rows into the [batch, seq, heads, value_dim / 64, 16] partial
-// sums; the accumulator is cleared for the next chunk.
+// sums (row (b, t, h) of column block v_block starts at grad_part_index); the accumulator is
+// cleared for the next chunk.
+__device__ __forceinline__ int64_t grad_part_index(const BackwardParams& p, int b, int t, int h, int v_block) {
+  const int num_blocks = p.value_dim / BWD_COLS;
+  return (((int64_t(b) * p.seq + t) * p.heads + h) * num_blocks + v_block) * FEATURE_DIM;
+}
 __device__ __forceinline__ void write_grad_parts(float* parts, float* grad, const BackwardParams& p, int b, int h,
                                                  int v_block, int t0) {
-  const int num_blocks = p.value_dim / BWD_COLS;
   for (int i = threadIdx.x; i < CHUNK * FEATURE_DIM; i += BWD_THREADS) {
     const int t = t0 + i / FEATURE_DIM;
-    if (t < p.seq)
-      parts[((int64_t(b) * p.seq + t) * p.heads + h) * num_blocks * FEATURE_DIM + v_block * FEATURE_DIM +
-            i % FEATURE_DIM] = grad[i];
+    if (t < p.seq) parts[grad_part_index(p, b, t, h, v_block) + i % FEATURE_DIM] = grad[i];
     grad[i] = 0.f;
   }
 }
@@ -518,8 +520,11 @@ __global__ void __launch_bounds__(BWD_THREADS, 1) backward_kernel(const __grid_c
   const int column_blocks = p.value_dim / BWD_COLS;
   const bool dq = int(blockIdx.x) < column_blocks;
   const backward_views<T> in(p, dq ? blockIdx.x : blockIdx.x - column_blocks, blockIdx.y, blockIdx.z);
-  if (dq)
+  if (dq && p.with_dq)
     dq_sweep(p, s, in);
+  else if (dq)  // a caller that needs only dk, dv and dS0 (pass 2 of a split sequence)
+    for (int64_t i = threadIdx.x; i < int64_t(p.seq) * FEATURE_DIM; i += BWD_THREADS)
+      p.dq_parts[grad_part_index(p, in.b, int(i / FEATURE_DIM), in.h, in.v_block) + i % FEATURE_DIM] = 0.f;
   else
     dkv_sweep(p, s, in);
 }

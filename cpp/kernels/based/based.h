@@ -67,6 +67,7 @@ struct BackwardParams {
   float* d_state0;        // [batch, heads, 273, value_dim]
   float* d_z0;            // [batch, heads, 273]
   int batch, seq, heads, value_dim;
+  bool with_dq;           // false: skip the dq sweep (dq_parts come back zero)
   DType dtype;
 };
 
