@@ -1,6 +1,7 @@
 // Checks and dispatch for the Based backward launcher.
 #include "backward_kernel.cuh"
 #include "based.h"
+#include "dq_kernel.cuh"
 
 namespace tk::based {
 
@@ -14,9 +15,17 @@ const char* backward_unsupported(const BackwardParams& p) {
   return nullptr;
 }
 
+// Two kernels on the stream: the dq sweep (or zeros for dq when not asked for), then the dk/dv
+// sweep.
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
   if (backward_unsupported(p)) return cudaErrorInvalidValue;
-  return p.dtype == DType::bf16 ? launch_backward<bf16>(p, stream) : launch_backward<half>(p, stream);
+  const bool bf = p.dtype == DType::bf16;
+  const size_t dq_bytes = sizeof(float) * size_t(p.batch) * p.seq * p.heads * (p.value_dim / V_BLOCK) * FEATURE_DIM;
+  cudaError_t err = !p.with_dq ? cudaMemsetAsync(p.dq_parts, 0, dq_bytes, stream)
+                    : bf       ? launch_dq<bf16>(p, stream)
+                               : launch_dq<half>(p, stream);
+  if (err != cudaSuccess) return err;
+  return bf ? launch_dkv<bf16>(p, stream) : launch_dkv<half>(p, stream);
 }
 
 }  // namespace tk::based

@@ -1,20 +1,19 @@
-// Based linear attention backward on mma.sync tensor cores.
+// Based linear attention backward, the dk/dv sweep, on mma.sync tensor cores (the dq sweep is
+// dq_kernel.cuh).
 //
 // The math is in based.h: with v' = [v, 1] and dnum'_t = [dy_t inv_den_t, dden_t],
-//   dq:     dphi(q_t) = S'_t dnum'_t        S'_t = S'0 + sum_{j<=t} phi(k_j) v'_j^T    (forward sweep)
 //   dk, dv: dphi(k_j) = R'_j v'_j, dv_j = R_j^T phi(k_j)
 //                                           R'_j = [dS, dz] + sum_{t>=j} phi(q_t) dnum'_t^T  (reverse sweep)
-// and dx from dphi(x) through the Taylor map (see feature_map_grad). Inside a chunk of 64 tokens
+// and dk from dphi(k) through the Taylor map (see feature_map_grad). Inside a chunk of 64 tokens
 // the terms with j and t in the same chunk come from the quadratic form instead:
-//   dA_tj = dnum'_t . v'_j,  ds_tj = dA_tj (1 + s_tj) / 4 (t >= j),  dq_t += sum_j ds_tj k_j,
+//   dA_tj = dnum'_t . v'_j,  ds_tj = dA_tj (1 + s_tj) / 4 (t >= j),
 //   dk_j += sum_t ds_tj q_t,  dv_j += sum_{t>=j} A_tj dnum_t.
 //
-// One block of 8 warps runs one sweep over the whole sequence of one (batch, head) for 64 value
-// columns; the grid holds both sweeps side by side (blockIdx.x < Dv / 64: the dq sweep), so the
-// two run concurrently. The state (S for dq, R for dk/dv) lives in shared memory in float32,
-// stored [feature][column]. The column of v' that is 1 (the normaliser's) is handled by the
-// blocks of the first 64 columns only, with a vector state z or r of 288 floats. dq and dk are
-// linear in dnum, so each column block writes its partial sum (float32) and the caller adds them.
+// One block of 8 warps runs the sweep over the whole sequence of one (batch, head) for 64 value
+// columns. The state R lives in shared memory in float32, stored [feature][column]. The column
+// of v' that is 1 (the normaliser's) is handled by the blocks of the first 64 columns only,
+// with a vector state r of 288 floats. dk is linear in dnum, so each column block writes its
+// partial sum (float32) and the caller adds them; R'_0 is the gradient of the initial state.
 //
 // All tensor-core operands are bf16, also for fp16 inputs: dnum = dy / (den + eps) is far below
 // fp16's normal range for long sequences, and the states would overflow it.
@@ -278,10 +277,6 @@ __device__ __forceinline__ void read_state(float* state, float* vec_state, const
 // The chunk's summed dq or dk rows into the [batch, seq, heads, value_dim / 64, 16] partial
 // sums (row (b, t, h) of column block v_block starts at grad_part_index); the accumulator is
 // cleared for the next chunk.
-__device__ __forceinline__ int64_t grad_part_index(const BackwardParams& p, int b, int t, int h, int v_block) {
-  const int num_blocks = p.value_dim / BWD_COLS;
-  return (((int64_t(b) * p.seq + t) * p.heads + h) * num_blocks + v_block) * FEATURE_DIM;
-}
 __device__ __forceinline__ void write_grad_parts(float* parts, float* grad, const BackwardParams& p, int b, int h,
                                                  int v_block, int t0) {
   for (int i = threadIdx.x; i < CHUNK * FEATURE_DIM; i += BWD_THREADS) {
@@ -296,92 +291,6 @@ __device__ __forceinline__ void load_lane_rows(float (&rows)[2][FEATURE_DIM], co
                                                int row0) {
   load_row(rows[0], x, row0 + (laneid() >> 2));
   load_row(rows[1], x, row0 + (laneid() >> 2) + 8);
-}
-
-// The dq sweep: chunks in order, state S' = S'0 + everything before the chunk.
-template <typename T>
-__device__ __forceinline__ void dq_sweep(const BackwardParams& p, backward_shared<T>& s, const backward_views<T>& in) {
-  const int warp = warpid(), half = warp / STRIPS, row0 = 16 * (warp % STRIPS);
-  const bool ones_column = in.v_block == 0;  // this block also handles the column of v' that is 1
-
-  load_chunk_async(s, 0, in, 0);
-  read_state(s.state, s.vec_state, p.state0, p.z0, p, in.head, in.v0);
-  for (int i = threadIdx.x; i < CHUNK * FEATURE_DIM; i += BWD_THREADS) s.grad[i] = 0.f;
-
-  const int num_chunks = (p.seq + CHUNK - 1) / CHUNK;
-  for (int chunk = 0; chunk < num_chunks; chunk++) {
-    const int stage = chunk & 1, t0 = chunk * CHUNK, real_tokens = min(CHUNK, p.seq - t0);
-    cp_async_wait<0>();
-    __syncthreads();  // the chunk has landed, and every warp is done with the previous one
-    if (chunk + 1 < num_chunks) load_chunk_async(s, stage ^ 1, in, t0 + CHUNK);
-    prepare_chunk(s, stage, p, in.head, t0, real_tokens);
-    __syncthreads();
-    build_features<BWD_THREADS>(s.phi, s.k, real_tokens);  // for the state update below
-
-    {  // dq of this warp's 16 query rows: keys [32 half, +32) inside the chunk, feature tiles of its half
-      rt<bf16, 16, FEATURE_DIM> q;
-      load(q, s.q, row0, 0);
-      float q_rows[2][FEATURE_DIM];
-      load_lane_rows(q_rows, s.q, row0);
-      // dnum = dy inv_den is applied after the products (in fp32): dy . v and dden nearly cancel
-      // where y_t hardly depends on q_t, and a 16-bit dnum would leave its rounding behind.
-      rt<bf16, 16, BWD_COLS> dy;
-      load(dy, s.dy, row0, 0);
-      const float inv_den[2] = {s.inv_den[row0 + (laneid() >> 2)], s.inv_den[row0 + (laneid() >> 2) + 8]};
-      feature_map_grad grad;
-
-      // Inside the chunk: ds = (dnum v^T + dden) (1 + s) / 4 on the causal band.
-      rt<bf16, 32, FEATURE_DIM> k;
-      load(k, s.k, 32 * half, 0);
-      rt_fl<16, 32> factor;
-      zero(factor);
-      mma_ABt(factor, q, k, factor);
-      for_each(factor, [&](float& x, int r, int key) {
-        key += 32 * half;
-        x = (key <= row0 + r && key < real_tokens) ? 0.25f * (1.f + 0.25f * x) : 0.f;
-      });
-      rt<bf16, 32, BWD_COLS> v;
-      load(v, s.v, 32 * half, 0);
-      rt_fl<16, 32> ds;
-      zero(ds);
-      mma_ABt(ds, dy, v, ds);
-      for_each(ds, [&](float& x, int r, int) { x = x * s.inv_den[row0 + r] + (ones_column ? s.dden[row0 + r] : 0.f); });
-      mul(ds, factor);
-      rt<bf16, 16, 32> ds16;
-      copy(ds16, ds);
-      rt<bf16, 32, FEATURE_DIM, layout::col> k_b;
-      load(k_b, s.k, 32 * half, 0);
-      mma_AB(grad.dx, ds16, k_b, grad.dx);
-
-      // Through the earlier chunks: G = dnum S^T, one feature tile at a time.
-#pragma unroll
-      for (int a = 0; a < GRAD_TILES; a++) {
-        if ((a < HALF_GRAD_TILES) != (half == 0)) continue;
-        rt<bf16, 16, BWD_COLS> state_rows;
-        load_state_rows(state_rows, s.state, 16 * a);
-        rt_fl<16, 16> G;
-        zero(G);
-        mma_ABt(G, dy, state_rows, G);
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-          G.tiles[0][0].data[r].x *= inv_den[r & 1];
-          G.tiles[0][0].data[r].y *= inv_den[r & 1];
-        }
-        grad.add_tile(a, G, q, q_rows);
-      }
-      if (ones_column && half == 0) {
-        const float w[2] = {s.dden[row0 + (laneid() >> 2)], s.dden[row0 + (laneid() >> 2) + 8]};
-        grad.add_vector_state(s.vec_state, q_rows, w);
-      }
-      grad.finish();
-      grad.add_to(s.grad, row0);
-    }
-    __syncthreads();  // dq complete; every warp has read S
-
-    write_grad_parts(p.dq_parts, s.grad, p, in.b, in.h, in.v_block, t0);
-    add_outer_products(s.state, s.phi, s.v);  // S += phi(K)^T V
-    if (ones_column && warp == BWD_WARPS - 1) accumulate_feature_sums(s.vec_state, s.k, nullptr, real_tokens);
-  }
 }
 
 // The dk/dv sweep: chunks in reverse, state R' = [dS, dz] + everything after the chunk.
@@ -513,28 +422,19 @@ __device__ __forceinline__ void dkv_sweep(const BackwardParams& p, backward_shar
 }
 
 template <typename T>
-__global__ void __launch_bounds__(BWD_THREADS, 1) backward_kernel(const __grid_constant__ BackwardParams p) {
+__global__ void __launch_bounds__(BWD_THREADS, 1) dkv_kernel(const __grid_constant__ BackwardParams p) {
   extern __shared__ char smem_raw[];
   // Swizzled tiles need 1024-byte alignment; the dynamic shared base only promises 16.
   auto& s = *reinterpret_cast<backward_shared<T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const int column_blocks = p.value_dim / BWD_COLS;
-  const bool dq = int(blockIdx.x) < column_blocks;
-  const backward_views<T> in(p, dq ? blockIdx.x : blockIdx.x - column_blocks, blockIdx.y, blockIdx.z);
-  if (dq && p.with_dq)
-    dq_sweep(p, s, in);
-  else if (dq)  // a caller that needs only dk, dv and dS0 (pass 2 of a split sequence)
-    for (int64_t i = threadIdx.x; i < int64_t(p.seq) * FEATURE_DIM; i += BWD_THREADS)
-      p.dq_parts[grad_part_index(p, in.b, int(i / FEATURE_DIM), in.h, in.v_block) + i % FEATURE_DIM] = 0.f;
-  else
-    dkv_sweep(p, s, in);
+  dkv_sweep(p, s, backward_views<T>(p, blockIdx.x, blockIdx.y, blockIdx.z));
 }
 
 template <typename T>
-cudaError_t launch_backward(const BackwardParams& p, cudaStream_t stream) {
+cudaError_t launch_dkv(const BackwardParams& p, cudaStream_t stream) {
   const int smem = int(sizeof(backward_shared<T>)) + 1024;
-  if (cudaError_t err = allow_dynamic_shared<backward_kernel<T>>(smem); err != cudaSuccess) return err;
-  const dim3 grid(2 * (p.value_dim / BWD_COLS), p.heads, p.batch);
-  backward_kernel<T><<<grid, BWD_THREADS, smem, stream>>>(p);
+  if (cudaError_t err = allow_dynamic_shared<dkv_kernel<T>>(smem); err != cudaSuccess) return err;
+  const dim3 grid(p.value_dim / BWD_COLS, p.heads, p.batch);
+  dkv_kernel<T><<<grid, BWD_THREADS, smem, stream>>>(p);
   return cudaGetLastError();
 }
 

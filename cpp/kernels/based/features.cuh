@@ -50,6 +50,13 @@ __device__ __forceinline__ void load_row(float (&out)[FEATURE_DIM], const st<T, 
   load_row_piece(reinterpret_cast<float(&)[8]>(out[8]), tile, r, 8);
 }
 
+// Where row (b, t, h) of value-column block v_block starts in the backward's
+// [batch, seq, heads, value_dim / 64, 16] partial sums of dq and dk.
+__device__ __forceinline__ int64_t grad_part_index(const BackwardParams& p, int b, int t, int h, int v_block) {
+  const int num_blocks = p.value_dim / 64;
+  return (((int64_t(b) * p.seq + t) * p.heads + h) * num_blocks + v_block) * FEATURE_DIM;
+}
+
 // The 16 x 16 tile of `src` at (row0, col0), transposed, as a row-layout tile (an A operand
 // X^T). ldmatrix.trans into the col layout already puts exactly those values in each lane:
 // a col-layout tile of X holds the pairs (k = 2c..2c+1, n = g) that a row-layout tile of X^T

@@ -33,18 +33,14 @@
 // groups, see tk_jax/_sequence_split.py).
 #pragma once
 
-#include "features.cuh"
+#include "register_state.cuh"
 
 namespace tk::based {
 
 using namespace kittens;
 
-constexpr int FWD_WARPS = 8;
-constexpr int FWD_THREADS = FWD_WARPS * WARP_THREADS;
-constexpr int V_BLOCK = 64;                   // value columns per block
-constexpr int ROW_TILES = CHUNK / 16;         // 16-row tiles of a chunk
-constexpr int OWN_TILES = FEATURE_TILES / 2;  // feature tiles of S per warp
-static_assert(FWD_WARPS == 2 * (V_BLOCK / 16), "warps = column groups x feature halves");
+constexpr int FWD_WARPS = STATE_WARPS;
+constexpr int FWD_THREADS = STATE_THREADS;
 
 template <typename T>
 struct forward_shared {
@@ -57,105 +53,8 @@ struct forward_shared {
   float4 partial[FWD_WARPS][2][WARP_THREADS][2];
 };
 
-// Warp half fh owns feature tiles own = 0..8: second-order tile a = 8 fh + own for own < 8,
-// then the first-order tile (fh = 0) or the constant tile (fh = 1). `own` is a compile-time
-// index (it picks registers); fh is a run-time value, so that both halves run the same code.
-// The second-order tiles hold sum_j k_ja k_jb v_j / 32, the first-order sum_j k_j v_j, the
-// constant sum_j v_j. The power of two that turns a tile into the one phi(q) multiplies ...
+// The forward's power of two that turns a tile into the one phi(q) multiplies.
 __device__ __forceinline__ float tile_scale(int own, int fh) { return own < 8 ? 1.f : fh == 0 ? 0.25f : 1.f; }
-// ... and the factor between a tile and the external state (S of the API).
-__device__ __forceinline__ float external_scale(int own, int fh) {
-  return own < 8 ? 32 * SECOND_ORDER_SCALE : fh == 0 ? FIRST_ORDER_SCALE : 1.f;
-}
-// External feature index of column b of tile `own`, or -1 for padding.
-__device__ __forceinline__ int external_feature(int own, int fh, int b) {
-  return own < 8 ? 17 + 16 * (8 * fh + own) + b : fh == 0 ? 1 + b : (b == 0 ? 0 : -1);
-}
-
-// A packed 16-bit pair as the 32 bits a shuffle moves, and back.
-template <typename T2>
-__device__ __forceinline__ uint32_t bits(T2 x) {
-  return *reinterpret_cast<uint32_t*>(&x);
-}
-template <typename T2>
-__device__ __forceinline__ T2 from_bits(uint32_t x) {
-  return *reinterpret_cast<T2*>(&x);
-}
-
-// The A operands of phi(Q) for second-order tiles a and a + 1 (a = 8 fh + 2 j): x_a x_b and
-// x_{a+1} x_b, from the row-layout fragment of a 16-row tile of Q. The pair (x_a, x_{a+1}) of
-// rows g and g + 8 sits in data[0] / data[1] (a < 8) or data[2] / data[3] of quad lane j.
-template <typename T>
-__device__ __forceinline__ void phi_q_pair(rt_base<bf16, layout::row>& phi0, rt_base<bf16, layout::row>& phi1,
-                                           const rt_base<T, layout::row>& q, int j, int fh) {
-  const int src = (laneid() & ~3) | j;
-  const auto top = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(q.data[2]) : bits(q.data[0]), src));
-  const auto bottom = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(q.data[3]) : bits(q.data[1]), src));
-  if constexpr (std::is_same_v<T, bf16>) {  // x_a x_b straight in bf16 (one rounding, as from fp32)
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-      phi0.data[r] = __hmul2(q.data[r], __low2bfloat162((r & 1) ? bottom : top));
-      phi1.data[r] = __hmul2(q.data[r], __high2bfloat162((r & 1) ? bottom : top));
-    }
-  } else {  // bf16 operands from fp16 inputs, through fp32
-    const float2 t = unpack(top), u = unpack(bottom);
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-      const float2 x = unpack(q.data[r]);
-      const float2 xa = (r & 1) ? u : t;
-      phi0.data[r] = pack<bf16>(x.x * xa.x, x.y * xa.x);
-      phi1.data[r] = pack<bf16>(x.x * xa.y, x.y * xa.y);
-    }
-  }
-}
-
-// The A operand of phi(Q) for the last tile: x_b (fh = 0) or the constant 1 in column 0.
-template <typename T>
-__device__ __forceinline__ rt_base<bf16, layout::row> phi_q_last(const rt_base<T, layout::row>& q, int fh) {
-  if (fh == 1) return constant_tile().tiles[0][0];
-  rt_base<bf16, layout::row> out;
-#pragma unroll
-  for (int r = 0; r < 4; r++) {
-    const float2 x = unpack(q.data[r]);
-    out.data[r] = pack<bf16>(x.x, x.y);
-  }
-  return out;
-}
-
-// The B operand Phi(K) [16 tokens x 16 features] of tile `own` for the update, in the input
-// type, from K's col-layout fragment kc of 16 tokens (K^T's row-layout fragment: b = g,
-// t = 2c..) and kc32 = kc / 32 (the second-order tiles hold sums / 32).
-template <typename T>
-__device__ __forceinline__ rt_base<T, layout::col> phi_k_tile(const rt_base<T, layout::col>& kc,
-                                                              const rt_base<T, layout::col>& kc32, int own, int fh) {
-  rt_base<T, layout::col> out = kc;  // the first-order tile
-  if (own < 8) {
-    // data[0], data[1] hold tokens 2c, 2c+1 and data[2], data[3] tokens 2c+8, 2c+9; each is
-    // scaled by k_a / 32 of its tokens, which the lane with g = a % 8 holds in the same
-    // positions (data[0] / data[2] for a < 8, data[1] / data[3] for a >= 8).
-    const int src = 4 * own + (laneid() & 3);
-    const auto lo = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(kc32.data[1]) : bits(kc32.data[0]), src));
-    const auto hi = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(kc32.data[3]) : bits(kc32.data[2]), src));
-    out.data[0] = __hmul2(kc.data[0], lo);
-    out.data[1] = __hmul2(kc.data[1], lo);
-    out.data[2] = __hmul2(kc.data[2], hi);
-    out.data[3] = __hmul2(kc.data[3], hi);
-  } else if (fh == 1) {  // the constant feature (column n = g = 0) is 1 for every token
-    const float one = laneid() < 4 ? 1.f : 0.f;
-    out.data[0] = out.data[2] = pack<T>(one, one);
-    out.data[1] = out.data[3] = pack<T>(0.f, 0.f);
-  }
-  return out;
-}
-
-// The state tile as the bf16 B operand of phi(Q) S: the tile's accumulator (S_f^T), scaled
-// and rounded, is exactly S_f's col-layout fragment.
-__device__ __forceinline__ rt_base<bf16, layout::col> state_operand(const rt_base<float, layout::row>& s, float scale) {
-  rt_base<bf16, layout::col> out;
-#pragma unroll
-  for (int r = 0; r < 4; r++) out.data[r] = pack<bf16>(s.data[r].x * scale, s.data[r].y * scale);
-  return out;
-}
 
 template <typename T>
 __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_constant__ ForwardParams p) {
@@ -235,7 +134,7 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
 #pragma unroll
       for (int i = 0; i < ROW_TILES; i++) {
         rt_base<bf16, layout::row> phi0, phi1;
-        phi_q_pair(phi0, phi1, q[i].tiles[0][0], j, fh);
+        scale_by_column_pair(phi0, phi1, q[i].tiles[0][0], q[i].tiles[0][0], j, fh);
         detail::mma_base(y[i].tiles[0][0], phi0, s_op0);
         detail::mma_base(y[i].tiles[0][0], phi1, s_op1);
       }

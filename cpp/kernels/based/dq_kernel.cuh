@@ -1,0 +1,301 @@
+// Based backward, the dq sweep, with the state in registers (the forward's organisation, see
+// register_state.cuh and forward_kernel.cuh).
+//
+// With v' = [v, 1], dnum'_t = [dy_t inv_den_t, dden_t] and S'_t = S'0 + sum_{j<=t} phi(k_j) v'_j^T
+// (based.h), dphi(q_t) = S'_t dnum'_t and dq_t = J_phi(q_t)^T dphi(q_t). Per 64-token chunk:
+//   inter   G_t = S'_prev dnum'_t; the state part S dnum goes through the tensor cores, the
+//           normaliser column z dden in fp32 (the two nearly cancel where y_t hardly depends
+//           on q_t, and z is exact).
+//   intra   ds_tj = (dnum'_t . v'_j) (1 + s_tj) / 4 for j <= t, dq_t += sum_j ds_tj k_j.
+// The second-order part of the state is symmetric (feature (a, b) and (b, a) are the same
+// product), so J^T contracts it with one term: dq_t[b] += 2 c2 sum_a q_t[a] G_t[a, b]
+// (c2 = 1/(4 sqrt 2)), i.e. with the tiles holding sums / 32 (c2^2 = 1/32):
+//   dq_t += 2 inv_den_t sum_a (dy_t q_t[a]) P_a^T + inv_den_t / 4 * dy_t P_lin^T.
+// The initial state S0 is symmetrised when it is read (phi(q) sees only S0[ab] + S0[ba]).
+//
+// Warp w = (column group cg, feature half fh) holds S_f [16 features x 16 columns] for its 9
+// tiles (not transposed: the accumulator of S_f rounded is the B operand S_f^T of dy S^T; the
+// constant tile has no dq and is not kept). Each warp thus sees 16 of the 64 columns: it adds
+// its part of dq for all 64 rows, and the 8 parts (plus the normaliser's, plus the intra-chunk
+// term, which each warp computes for two row tiles and its columns) meet in shared memory.
+#pragma once
+
+#include "register_state.cuh"
+
+namespace tk::based {
+
+using namespace kittens;
+
+template <typename T>
+struct dq_shared {
+  st<T, CHUNK, FEATURE_DIM> q[2], k[2];  // double-buffered chunks
+  st<T, CHUNK, V_BLOCK> v[2], dy[2];
+  float inv_den[2][CHUNK], dden[2][CHUNK];
+  float z[PADDED_FEATURES];  // the normaliser's state column (internal feature order)
+  // dq parts: [warp][row tile][lane][8 floats] from the state and intra-chunk terms, and
+  // [feature half][row tile][lane][8 floats] from the normaliser column, in fragment order.
+  float4 parts[STATE_WARPS][ROW_TILES][WARP_THREADS][2];
+  float4 normaliser_parts[2][ROW_TILES][WARP_THREADS][2];
+};
+
+// cp.async of the chunk's row statistics (4 bytes each: [B, H, T] rows need not be 16-byte
+// aligned); rows past the sequence become 0, so they contribute nothing.
+__device__ __forceinline__ void load_row_stats_async(float* dst, const float* src, int valid) {
+  for (int t = threadIdx.x; t < CHUNK; t += STATE_THREADS)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_addr(dst + t)),
+                 "l"(src + (t < valid ? t : 0)), "r"(t < valid ? 4 : 0));
+}
+
+// The fragment of a 16 x 16 float tile into a shared slot [lane][2] (same order on reading).
+__device__ __forceinline__ void put_fragment(float4 (&slot)[WARP_THREADS][2], const rt_base<float, layout::row>& x) {
+#pragma unroll
+  for (int half = 0; half < 2; half++)
+    slot[laneid()][half] = make_float4(x.data[2 * half].x, x.data[2 * half].y, x.data[2 * half + 1].x,
+                                       x.data[2 * half + 1].y);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_constant__ BackwardParams p) {
+  extern __shared__ char smem_raw[];
+  // Swizzled tiles need 1024-byte alignment; the dynamic shared base only promises 16.
+  auto& s = *reinterpret_cast<dq_shared<T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  const int v_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int v0 = v_block * V_BLOCK;
+  const int warp = warpid(), lane = laneid();
+  const int cg = warp % 4, fh = warp / 4;
+  const int c0 = 16 * cg;
+  const int64_t head = int64_t(b) * p.heads + h;
+  const bool ones_column = v_block == 0;  // this block also handles the column of v' that is 1
+
+  const auto Q = gl<T>::contiguous((T*)p.q, p.batch, p.seq, p.heads, FEATURE_DIM);
+  const auto K = gl<T>::contiguous((T*)p.k, p.batch, p.seq, p.heads, FEATURE_DIM);
+  const int64_t seq_stride = int64_t(p.heads) * p.value_dim, batch_stride = int64_t(p.seq) * seq_stride;
+  const gl<T> V{(T*)p.v + v0, p.batch, p.seq, p.heads, V_BLOCK, batch_stride, seq_stride, p.value_dim};
+  const gl<T> DY{(T*)p.dy + v0, p.batch, p.seq, p.heads, V_BLOCK, batch_stride, seq_stride, p.value_dim};
+  const auto load_chunk = [&](int stage, int t0) {
+    load_async<STATE_THREADS>(s.q[stage], Q, {b, h, t0});
+    load_async<STATE_THREADS>(s.k[stage], K, {b, h, t0});
+    load_async<STATE_THREADS>(s.v[stage], V, {b, h, t0});
+    load_async<STATE_THREADS>(s.dy[stage], DY, {b, h, t0});
+    load_row_stats_async(s.inv_den[stage], p.inv_den + head * p.seq + t0, p.seq - t0);
+    load_row_stats_async(s.dden[stage], p.dden + head * p.seq + t0, p.seq - t0);
+    cp_async_commit();
+  };
+  load_chunk(0, 0);
+
+  // The state tiles from S0, symmetrised, in the scale the tiles keep (see register_state.cuh).
+  rt_base<float, layout::row> state[OWN_TILES];
+  const float* state0 = p.state0 + head * NUM_FEATURES * p.value_dim + v0 + c0;
+#pragma unroll
+  for (int i = 0; i < OWN_TILES; i++) {
+    const float unscale = 1.f / external_scale(i, fh);
+#pragma unroll
+    for (int r = 0; r < 4; r++) {  // element (feature fragment_row(r), column fragment_col(r, j))
+      float pair[2];
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        const int f = fragment_row(r), c = fragment_col(r, j);
+        const int ext = external_feature(i, fh, f);
+        float x = ext < 0 ? 0.f : state0[int64_t(ext) * p.value_dim + c];
+        if (i < 8) x = 0.5f * (x + state0[int64_t(17 + 16 * f + 8 * fh + i) * p.value_dim + c]);  // S0[ba]
+        pair[j] = x * unscale;
+      }
+      state[i].data[r] = make_float2(pair[0], pair[1]);
+    }
+  }
+  if (ones_column)
+    for (int f = threadIdx.x; f < PADDED_FEATURES; f += STATE_THREADS)
+      s.z[f < NUM_FEATURES ? internal_feature(f) : f] = f < NUM_FEATURES ? p.z0[head * NUM_FEATURES + f] : 0.f;
+
+  // Row tiles in this warp's order: the two whose intra-chunk term it adds (one early, one
+  // late: equal causal work for both halves), then the other two.
+  int row_tile[ROW_TILES];
+#pragma unroll
+  for (int i = 0; i < ROW_TILES; i++) row_tile[i] = (fh == 0 ? 0x2130 : 0x3021) >> (4 * i) & 0xF;
+
+  const int num_chunks = (p.seq + CHUNK - 1) / CHUNK;
+  for (int chunk = 0; chunk < num_chunks; chunk++) {
+    const int stage = chunk & 1, t0 = chunk * CHUNK;
+    const int real_tokens = min(CHUNK, p.seq - t0);
+    cp_async_wait<0>();
+    __syncthreads();  // the chunk is visible to all, and every warp is done with the last one
+    if (chunk + 1 < num_chunks) load_chunk(stage ^ 1, t0 + CHUNK);
+    const float* inv_den = s.inv_den[stage];
+    const float* dden = s.dden[stage];
+
+    // 1. Through the state: acc_i = sum_a (dy q_a) P_a^T + dy P_lin^T / 8, for all row tiles,
+    //    then times 2 inv_den per row.
+    rt_fl<16, 16> acc[ROW_TILES];
+#pragma unroll
+    for (int i = 0; i < ROW_TILES; i++) zero(acc[i]);
+    {
+      rt<T, 16, FEATURE_DIM> q[ROW_TILES], dy[ROW_TILES];
+#pragma unroll
+      for (int i = 0; i < ROW_TILES; i++) {
+        load(q[i], s.q[stage], 16 * row_tile[i], 0);
+        load(dy[i], s.dy[stage], 16 * row_tile[i], c0);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; j++) {  // second-order tiles in pairs (one shuffle serves both)
+        const auto s_op0 = state_operand(state[2 * j], 1.f), s_op1 = state_operand(state[2 * j + 1], 1.f);
+#pragma unroll
+        for (int i = 0; i < ROW_TILES; i++) {
+          rt_base<bf16, layout::row> a0, a1;
+          scale_by_column_pair(a0, a1, dy[i].tiles[0][0], q[i].tiles[0][0], j, fh);
+          detail::mma_base(acc[i].tiles[0][0], a0, s_op0);
+          detail::mma_base(acc[i].tiles[0][0], a1, s_op1);
+        }
+      }
+      if (fh == 0) {  // the first-order tile (the constant tile has no gradient)
+        const auto s_op = state_operand(state[8], 1.f / 8);
+#pragma unroll
+        for (int i = 0; i < ROW_TILES; i++) detail::mma_base(acc[i].tiles[0][0], to_bf16(dy[i].tiles[0][0]), s_op);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < ROW_TILES; i++) {
+      row_vec<16> scale;
+#pragma unroll
+      for (int hh = 0; hh < 2; hh++) scale.data[0][hh] = 2.f * inv_den[16 * row_tile[i] + (lane >> 2) + 8 * hh];
+      mul_row(acc[i], scale);
+    }
+
+    // 2. The normaliser column, in fp32: dq_t[b'] += dden_t (c2 sum_b (z[16b'+b] + z[16b+b']) q_t[b]
+    //    + z[256 + b'] / 2), the sum over b split between the halves; row tile cg of the warp.
+    if (ones_column) {
+      const int row0 = 16 * cg;
+      float q_rows[2][8];  // q_t[8 fh + e] of this lane's rows g and g + 8
+      load_row_piece(q_rows[0], s.q[stage], row0 + (lane >> 2), 8 * fh);
+      load_row_piece(q_rows[1], s.q[stage], row0 + (lane >> 2) + 8, 8 * fh);
+      rt_base<float, layout::row> out;
+#pragma unroll
+      for (int r = 0; r < 4; r++) {
+        const int hh = r & 1;
+        float sums[2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const int bp = fragment_col(r, e);
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < 8; j++) {
+            const int bb = 8 * fh + j;
+            sum += (s.z[16 * bp + bb] + s.z[16 * bb + bp]) * q_rows[hh][j];
+          }
+          sum *= SECOND_ORDER_SCALE;
+          if (fh == 0) sum += FIRST_ORDER_SCALE * s.z[LINEAR_FEATURES + bp];
+          sums[e] = sum * dden[row0 + (lane >> 2) + 8 * hh];
+        }
+        out.data[r] = make_float2(sums[0], sums[1]);
+      }
+      put_fragment(s.normaliser_parts[fh][cg], out);
+    }
+
+    // 3. Inside the chunk, for this warp's two row tiles: ds = (dy v^T inv_den + dden) (1 + s) / 4
+    //    over the causal keys (dy v^T over this warp's columns; dden once, by column group 0).
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      const int m = row_tile[i];
+      rt<T, 16, FEATURE_DIM> q, dy;
+      load(q, s.q[stage], 16 * m, 0);
+      load(dy, s.dy[stage], 16 * m, c0);
+#pragma unroll
+      for (int kt = 0; kt < ROW_TILES; kt++)
+        if (kt <= m) {
+          rt<T, 16, FEATURE_DIM> k, v;
+          load(k, s.k[stage], 16 * kt, 0);
+          load(v, s.v[stage], 16 * kt, c0);
+          rt_fl<16, 16> qk, ds;
+          zero(qk);
+          zero(ds);
+          detail::mma_base(qk.tiles[0][0], q.tiles[0][0], k.tiles[0][0]);
+          detail::mma_base(ds.tiles[0][0], dy.tiles[0][0], v.tiles[0][0]);
+          for_each(ds, [&](float& x, int r, int key) {
+            const int row = 16 * m + r, col = 16 * kt + key;
+            x = (col <= row && col < real_tokens)
+                    ? (x * inv_den[row] + (ones_column && cg == 0 ? dden[row] : 0.f)) : 0.f;
+          });
+          map(qk, [](float x) { return 0.25f + x / 16; });  // (1 + s) / 4 with s = q.k / 4
+          mul(ds, qk);
+          // ds is this warp's part of a sum over column groups that nearly cancels where y_t
+          // hardly depends on q_t: it goes to the tensor cores as bf16 high and low parts, so
+          // that its rounding (not the sum's) stays ~2^-16 of it.
+          rt<bf16, 16, 16> ds_hi, ds_lo;
+          copy(ds_hi, ds);
+          rt_fl<16, 16> rest;
+          copy(rest, ds_hi);
+#pragma unroll
+          for (int r = 0; r < 4; r++) {
+            rest.tiles[0][0].data[r].x = ds.tiles[0][0].data[r].x - rest.tiles[0][0].data[r].x;
+            rest.tiles[0][0].data[r].y = ds.tiles[0][0].data[r].y - rest.tiles[0][0].data[r].y;
+          }
+          copy(ds_lo, rest);
+          rt<T, 16, FEATURE_DIM, layout::col> kc;  // K [16 keys x 16 features] as a B operand
+          load(kc, s.k[stage], 16 * kt, 0);
+          rt_base<bf16, layout::col> kb;
+#pragma unroll
+          for (int r = 0; r < 4; r++) {
+            const float2 x = unpack(kc.tiles[0][0].data[r]);
+            kb.data[r] = pack<bf16>(x.x, x.y);
+          }
+          detail::mma_base(acc[i].tiles[0][0], ds_hi.tiles[0][0], kb);
+          detail::mma_base(acc[i].tiles[0][0], ds_lo.tiles[0][0], kb);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < ROW_TILES; i++) put_fragment(s.parts[warp][row_tile[i]], acc[i].tiles[0][0]);
+    __syncthreads();  // every part is in shared memory; every warp has read z
+
+    // 4. dq of the chunk: the parts summed, to this column block's [B, T, H, Dv/64, 16] slice.
+    //    Thread i takes row tile i / 64, lane (i / 2) % 32, the half i % 2 of its fragment.
+    {
+      const int m = threadIdx.x / 64, l = (threadIdx.x / 2) % 32, half = threadIdx.x % 2;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      const auto add = [&](const float4& x) { sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w; };
+#pragma unroll
+      for (int w = 0; w < STATE_WARPS; w++) add(s.parts[w][m][l][half]);
+      if (ones_column) {
+        add(s.normaliser_parts[0][m][l][half]);
+        add(s.normaliser_parts[1][m][l][half]);
+      }
+      // (x, y) at row g, (z, w) at row g + 8, columns 2c + 8 half + {0, 1}.
+      const int g = l >> 2, col = 2 * (l & 3) + 8 * half;
+#pragma unroll
+      for (int hh = 0; hh < 2; hh++) {
+        const int t = t0 + 16 * m + g + 8 * hh;
+        if (t < p.seq)
+          *reinterpret_cast<float2*>(p.dq_parts + grad_part_index(p, b, t, h, v_block) + col) =
+              hh ? make_float2(sum.z, sum.w) : make_float2(sum.x, sum.y);
+      }
+    }
+
+    // 5. Fold the chunk into the state: S_f += Phi_f(K)^T V_C, 16 tokens at a time.
+#pragma unroll 1
+    for (int kt = 0; kt < ROW_TILES; kt++) {
+      rt<T, 16, FEATURE_DIM, layout::col> kc, v_col;
+      load(kc, s.k[stage], 16 * kt, 0);
+      load(v_col, s.v[stage], 16 * kt, c0);
+      rt_base<T, layout::col> kc32;
+#pragma unroll
+      for (int r = 0; r < 4; r++) kc32.data[r] = __hmul2(kc.tiles[0][0].data[r], pack<T>(1.f / 32, 1.f / 32));
+#pragma unroll
+      for (int own = 0; own < OWN_TILES; own++) {
+        if (own == 8 && fh == 1) continue;  // the constant tile: no gradient, not kept
+        const auto phi_t = phi_k_tile(kc.tiles[0][0], kc32, own, fh);  // Phi(K)^T as a row-layout A
+        detail::mma_base(state[own], reinterpret_cast<const rt_base<T, layout::row>&>(phi_t), v_col.tiles[0][0]);
+      }
+    }
+    if (ones_column && warp == STATE_WARPS - 1) accumulate_feature_sums(s.z, s.k[stage], nullptr, real_tokens);
+  }
+}
+
+template <typename T>
+cudaError_t launch_dq(const BackwardParams& p, cudaStream_t stream) {
+  const int smem = int(sizeof(dq_shared<T>)) + 1024;
+  if (cudaError_t err = allow_dynamic_shared<dq_kernel<T>>(smem); err != cudaSuccess) return err;
+  const dim3 grid(p.value_dim / V_BLOCK, p.heads, p.batch);
+  dq_kernel<T><<<grid, STATE_THREADS, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace tk::based

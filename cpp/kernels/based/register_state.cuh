@@ -1,0 +1,138 @@
+// The register-resident Based state shared by the forward and the dq kernel, and the operand
+// builders around it.
+//
+// A block of 8 warps walks one (batch, head) for 64 value columns; warp w = (column group
+// cg = w % 4, feature half fh = w / 4) owns columns [16 cg, 16 cg + 16) of 9 of the 18 feature
+// tiles (273 Taylor features padded to 288, see features.cuh) as fp32 mma accumulators:
+//   fh = 0: second-order tiles a = 0..7 (features x_a x_b, b = 0..15) and the first-order tile
+//   fh = 1: second-order tiles a = 8..15 and the constant tile.
+// The feature map's constants are powers of two (phi(q).phi(k) = 1 + q.k/4 + (q.k)^2/32), so
+// the tiles hold plain sums and the constants are applied exactly.
+#pragma once
+
+#include "features.cuh"
+
+namespace tk::based {
+
+using namespace kittens;
+
+constexpr int STATE_WARPS = 8;
+constexpr int STATE_THREADS = STATE_WARPS * WARP_THREADS;
+constexpr int V_BLOCK = 64;                   // value columns per block
+constexpr int ROW_TILES = CHUNK / 16;         // 16-row tiles of a chunk
+constexpr int OWN_TILES = FEATURE_TILES / 2;  // feature tiles of S per warp
+static_assert(STATE_WARPS == 2 * (V_BLOCK / 16), "warps = column groups x feature halves");
+
+// Warp half fh owns feature tiles own = 0..8: second-order tile a = 8 fh + own for own < 8,
+// then the first-order tile (fh = 0) or the constant tile (fh = 1). `own` is a compile-time
+// index (it picks registers); fh is a run-time value, so that both halves run the same code.
+// The second-order tiles hold sum_j k_ja k_jb v_j / 32, the first-order sum_j k_j v_j, the
+// constant sum_j v_j. The factor between a tile and the external state (S of the API):
+__device__ __forceinline__ float external_scale(int own, int fh) {
+  return own < 8 ? 32 * SECOND_ORDER_SCALE : fh == 0 ? FIRST_ORDER_SCALE : 1.f;
+}
+// External feature index of column b of tile `own`, or -1 for padding.
+__device__ __forceinline__ int external_feature(int own, int fh, int b) {
+  return own < 8 ? 17 + 16 * (8 * fh + own) + b : fh == 0 ? 1 + b : (b == 0 ? 0 : -1);
+}
+
+// A packed 16-bit pair as the 32 bits a shuffle moves, and back.
+template <typename T2>
+__device__ __forceinline__ uint32_t bits(T2 x) {
+  return *reinterpret_cast<uint32_t*>(&x);
+}
+template <typename T2>
+__device__ __forceinline__ T2 from_bits(uint32_t x) {
+  return *reinterpret_cast<T2*>(&x);
+}
+
+// Rows of X scaled by columns a and a + 1 (a = 8 fh + 2 j) of Q, as bf16 A operands:
+// out0 = X * q_a and out1 = X * q_{a+1} per row, for row-layout fragments of 16-row tiles X and
+// Q of the same rows. With X = Q these are phi(Q)'s second-order tiles a and a + 1 (x_a x_b).
+// The pair (q_a, q_{a+1}) of rows g and g + 8 sits in data[0] / data[1] (a < 8) or data[2] /
+// data[3] of quad lane j.
+template <typename T>
+__device__ __forceinline__ void scale_by_column_pair(rt_base<bf16, layout::row>& out0, rt_base<bf16, layout::row>& out1,
+                                                     const rt_base<T, layout::row>& x, const rt_base<T, layout::row>& q,
+                                                     int j, int fh) {
+  const int src = (laneid() & ~3) | j;
+  const auto top = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(q.data[2]) : bits(q.data[0]), src));
+  const auto bottom = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(q.data[3]) : bits(q.data[1]), src));
+  if constexpr (std::is_same_v<T, bf16>) {  // straight in bf16 (one rounding, as from fp32)
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      out0.data[r] = __hmul2(x.data[r], __low2bfloat162((r & 1) ? bottom : top));
+      out1.data[r] = __hmul2(x.data[r], __high2bfloat162((r & 1) ? bottom : top));
+    }
+  } else {  // bf16 operands from fp16 inputs, through fp32
+    const float2 t = unpack(top), u = unpack(bottom);
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const float2 v = unpack(x.data[r]);
+      const float2 qa = (r & 1) ? u : t;
+      out0.data[r] = pack<bf16>(v.x * qa.x, v.y * qa.x);
+      out1.data[r] = pack<bf16>(v.x * qa.y, v.y * qa.y);
+    }
+  }
+}
+
+// A row-layout fragment in bf16.
+template <typename T>
+__device__ __forceinline__ rt_base<bf16, layout::row> to_bf16(const rt_base<T, layout::row>& x) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return x;
+  } else {
+    rt_base<bf16, layout::row> out;
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const float2 v = unpack(x.data[r]);
+      out.data[r] = pack<bf16>(v.x, v.y);
+    }
+    return out;
+  }
+}
+
+// The A operand of phi(Q) for the last tile: x_b (fh = 0) or the constant 1 in column 0.
+template <typename T>
+__device__ __forceinline__ rt_base<bf16, layout::row> phi_q_last(const rt_base<T, layout::row>& q, int fh) {
+  return fh == 1 ? constant_tile().tiles[0][0] : to_bf16(q);
+}
+
+// Phi(K) [16 tokens x 16 features] of tile `own` for the state update, in the input type, from
+// K's col-layout fragment kc of 16 tokens and kc32 = kc / 32 (the second-order tiles hold
+// sums / 32). The same registers are the B operand Phi(K) (col layout: k = token, n = feature)
+// and the A operand Phi(K)^T (row layout: row = feature, column = token).
+template <typename T>
+__device__ __forceinline__ rt_base<T, layout::col> phi_k_tile(const rt_base<T, layout::col>& kc,
+                                                              const rt_base<T, layout::col>& kc32, int own, int fh) {
+  rt_base<T, layout::col> out = kc;  // the first-order tile
+  if (own < 8) {
+    // data[0], data[1] hold tokens 2c, 2c+1 and data[2], data[3] tokens 2c+8, 2c+9; each is
+    // scaled by k_a / 32 of its tokens, which the lane with g = a % 8 holds in the same
+    // positions (data[0] / data[2] for a < 8, data[1] / data[3] for a >= 8).
+    const int src = 4 * own + (laneid() & 3);
+    const auto lo = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(kc32.data[1]) : bits(kc32.data[0]), src));
+    const auto hi = from_bits<packed_t<T>>(__shfl_sync(0xffffffff, fh ? bits(kc32.data[3]) : bits(kc32.data[2]), src));
+    out.data[0] = __hmul2(kc.data[0], lo);
+    out.data[1] = __hmul2(kc.data[1], lo);
+    out.data[2] = __hmul2(kc.data[2], hi);
+    out.data[3] = __hmul2(kc.data[3], hi);
+  } else if (fh == 1) {  // the constant feature (column n = g = 0) is 1 for every token
+    const float one = laneid() < 4 ? 1.f : 0.f;
+    out.data[0] = out.data[2] = pack<T>(one, one);
+    out.data[1] = out.data[3] = pack<T>(0.f, 0.f);
+  }
+  return out;
+}
+
+// A state tile as a bf16 B operand: an accumulator of X, scaled and rounded, is exactly the
+// col-layout fragment of X^T (the forward holds S_f^T and multiplies by S_f; the dq kernel
+// holds S_f and multiplies by S_f^T).
+__device__ __forceinline__ rt_base<bf16, layout::col> state_operand(const rt_base<float, layout::row>& s, float scale) {
+  rt_base<bf16, layout::col> out;
+#pragma unroll
+  for (int r = 0; r < 4; r++) out.data[r] = pack<bf16>(s.data[r].x * scale, s.data[r].y * scale);
+  return out;
+}
+
+}  // namespace tk::based
