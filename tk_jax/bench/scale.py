@@ -611,7 +611,8 @@ def describe_plan(args, num_devices: int) -> str:
     lines = [f"scale: on {counts} device(s) of {num_devices} visible",
              f"  1. flash_attention fwd+bwd, batch-sharded jit: B={sizes.attn_batch} "
              f"H={sizes.attn_heads} T={sizes.attn_t} D={sizes.attn_d} causal",
-             f"  2. BasedLM train step, data-parallel jit: batch {sizes.lm_batch} x seq "
+             f"  2. BasedLM train step, data-parallel jit: batch {sizes.lm_batch} (and "
+             f"{sizes.lm_batch} per device) x seq "
              f"{sizes.lm_seq}, layers {'-'.join(sizes.lm_layers)}, d_model {sizes.lm_d_model}",
              f"  3. ring_attention (causal, load-balanced) vs flash_attention on 1 device: "
              f"T={','.join(map(str, ring_t))} B={sizes.ring_batch} H={sizes.ring_heads} "

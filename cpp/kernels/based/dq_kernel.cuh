@@ -46,14 +46,6 @@ __device__ __forceinline__ void load_row_stats_async(float* dst, const float* sr
                  "l"(src + (t < valid ? t : 0)), "r"(t < valid ? 4 : 0));
 }
 
-// The fragment of a 16 x 16 float tile into a shared slot [lane][2] (same order on reading).
-__device__ __forceinline__ void put_fragment(float4 (&slot)[WARP_THREADS][2], const rt_base<float, layout::row>& x) {
-#pragma unroll
-  for (int half = 0; half < 2; half++)
-    slot[laneid()][half] = make_float4(x.data[2 * half].x, x.data[2 * half].y, x.data[2 * half + 1].x,
-                                       x.data[2 * half + 1].y);
-}
-
 template <typename T>
 __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_constant__ BackwardParams p) {
   extern __shared__ char smem_raw[];

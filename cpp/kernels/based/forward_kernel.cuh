@@ -19,7 +19,7 @@
 //   1. each warp: its partial y_C over its 9 feature tiles for all 64 rows (4 row tiles);
 //      the partial of the row tiles the other feature half finishes goes to shared memory.
 //      Each warp also computes half of phi(q) . z (the normaliser's state term) of one row tile.
-//   2. each warp finishes 2 row tiles (fh = 0: rows 0-31, fh = 1: rows 32-63) of its columns:
+//   2. each warp finishes 2 row tiles (fh = 0: rows 0-15 and 48-63, fh = 1: rows 16-47) of its columns:
 //      the intra-chunk term tril(1 + s + s^2/2) V_C with s = Q K^T / 4, the other half's
 //      partial, the normaliser, then y straight to global memory.
 //   3. each warp folds the chunk into its state tiles; one warp updates z (shared, fp32, exact
@@ -145,12 +145,7 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
       for (int i = 0; i < ROW_TILES; i++) detail::mma_base(y[i].tiles[0][0], phi_q_last(q[i].tiles[0][0], fh), s_op);
     }
 #pragma unroll
-    for (int i = 2; i < ROW_TILES; i++)
-#pragma unroll
-      for (int half = 0; half < 2; half++)
-        s.partial[warp][i - 2][lane][half] =
-            make_float4(y[i].tiles[0][0].data[2 * half].x, y[i].tiles[0][0].data[2 * half].y,
-                        y[i].tiles[0][0].data[2 * half + 1].x, y[i].tiles[0][0].data[2 * half + 1].y);
+    for (int i = 2; i < ROW_TILES; i++) put_fragment(s.partial[warp][i - 2], y[i].tiles[0][0]);
     // phi(q) . z for finished row tile cg & 1, half of its features (cg >> 1) per warp.
     const auto state_normaliser = [&](const rt<T, 16, FEATURE_DIM>& q_tile, int row_tile) {
       const int row0 = 16 * row_tile, half = cg >> 1;

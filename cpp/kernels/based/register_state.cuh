@@ -36,6 +36,16 @@ __device__ __forceinline__ int external_feature(int own, int fh, int b) {
   return own < 8 ? 17 + 16 * (8 * fh + own) + b : fh == 0 ? 1 + b : (b == 0 ? 0 : -1);
 }
 
+// The fragment of a 16 x 16 float tile into a shared slot [lane][2], for another warp of the
+// block to read in the same order: (x, y) of row g and (z, w) of row g + 8, columns 2c, 2c + 1
+// (slot 0) and 2c + 8, 2c + 9 (slot 1).
+__device__ __forceinline__ void put_fragment(float4 (&slot)[WARP_THREADS][2], const rt_base<float, layout::row>& x) {
+#pragma unroll
+  for (int half = 0; half < 2; half++)
+    slot[laneid()][half] = make_float4(x.data[2 * half].x, x.data[2 * half].y, x.data[2 * half + 1].x,
+                                       x.data[2 * half + 1].y);
+}
+
 // A packed 16-bit pair as the 32 bits a shuffle moves, and back.
 template <typename T2>
 __device__ __forceinline__ uint32_t bits(T2 x) {
