@@ -96,15 +96,13 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_const
       state[i].data[r] = make_float2(pair[0], pair[1]);
     }
   }
-  if (ones_column)
+  if (ones_column)  // z from z0 (read_vector_state's loop, written out: the compiled code was tested so)
     for (int f = threadIdx.x; f < PADDED_FEATURES; f += STATE_THREADS)
       s.z[f < NUM_FEATURES ? internal_feature(f) : f] = f < NUM_FEATURES ? p.z0[head * NUM_FEATURES + f] : 0.f;
 
-  // Row tiles in this warp's order: the two whose intra-chunk term it adds (one early, one
-  // late: equal causal work for both halves), then the other two.
+  // Row tiles in this warp's order: the two whose intra-chunk term it adds, then the others.
   int row_tile[ROW_TILES];
-#pragma unroll
-  for (int i = 0; i < ROW_TILES; i++) row_tile[i] = (fh == 0 ? 0x2130 : 0x3021) >> (4 * i) & 0xF;
+  row_tiles_of_half(row_tile, fh);
 
   const int num_chunks = (p.seq + CHUNK - 1) / CHUNK;
   for (int chunk = 0; chunk < num_chunks; chunk++) {

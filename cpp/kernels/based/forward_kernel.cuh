@@ -98,15 +98,11 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
       state[i].data[r] = make_float2(pair[0], pair[1]);
     }
   }
-  for (int f = threadIdx.x; f < PADDED_FEATURES; f += FWD_THREADS)
-    s.z[f < NUM_FEATURES ? internal_feature(f) : f] = f < NUM_FEATURES ? p.z0[head * NUM_FEATURES + f] : 0.f;
+  read_vector_state(s.z, p.z0, head);
 
-  // Row tiles in this warp's order: the two it finishes, then the two it hands over. A
-  // finished tile costs intra-chunk work in proportion to its index (causal), so each half
-  // finishes one early and one late tile: fh = 0 rows 0-15 and 48-63, fh = 1 rows 16-47.
+  // Row tiles in this warp's order: the two it finishes, then the two it hands over.
   int row_tile[ROW_TILES];
-#pragma unroll
-  for (int i = 0; i < ROW_TILES; i++) row_tile[i] = (fh == 0 ? 0x2130 : 0x3021) >> (4 * i) & 0xF;
+  row_tiles_of_half(row_tile, fh);
 
   const int num_chunks = (p.seq + CHUNK - 1) / CHUNK;
   for (int chunk = 0; chunk < num_chunks; chunk++) {

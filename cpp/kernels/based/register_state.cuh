@@ -36,6 +36,21 @@ __device__ __forceinline__ int external_feature(int own, int fh, int b) {
   return own < 8 ? 17 + 16 * (8 * fh + own) + b : fh == 0 ? 1 + b : (b == 0 ? 0 : -1);
 }
 
+// The normaliser's state column z [288] (internal feature order, padding zero) from a
+// [batch, heads, 273] global one, by all threads of the block.
+__device__ __forceinline__ void read_vector_state(float* z, const float* global_z, int64_t head) {
+  for (int f = threadIdx.x; f < PADDED_FEATURES; f += STATE_THREADS)
+    z[f < NUM_FEATURES ? internal_feature(f) : f] = f < NUM_FEATURES ? global_z[head * NUM_FEATURES + f] : 0.f;
+}
+
+// The 4 row tiles of a chunk in the order a warp of feature half fh treats them: first the two
+// it completes (the intra-chunk term costs in proportion to a tile's index, so each half takes
+// one early and one late tile: fh = 0 tiles 0 and 3, fh = 1 tiles 1 and 2), then the other two.
+__device__ __forceinline__ void row_tiles_of_half(int (&row_tile)[ROW_TILES], int fh) {
+#pragma unroll
+  for (int i = 0; i < ROW_TILES; i++) row_tile[i] = (fh == 0 ? 0x2130 : 0x3021) >> (4 * i) & 0xF;
+}
+
 // The fragment of a 16 x 16 float tile into a shared slot [lane][2], for another warp of the
 // block to read in the same order: (x, y) of row g and (z, w) of row g + 8, columns 2c, 2c + 1
 // (slot 0) and 2c + 8, 2c + 9 (slot 1).
