@@ -68,10 +68,7 @@ ffi::Error Wgmma(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi:
   args.abt = abt->typed_data();
   args.ac = ac->typed_data();
   const int smem = int(sizeof(wgmma_test_shared)) + 1024;
-  if (cudaError_t err = allow_dynamic_shared<wgmma_test_kernel>(smem); err != cudaSuccess)
-    return ffi::Error::Internal(cudaGetErrorString(err));
-  wgmma_test_kernel<<<1, 128, smem, stream>>>(args);
-  const cudaError_t err = cudaGetLastError();
+  const cudaError_t err = launch_with_shared<wgmma_test_kernel>(1, 128, smem, stream, args);
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("tk_test_wgmma: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
 }

@@ -174,10 +174,8 @@ cudaError_t launch_backward(const BackwardParams& p, cudaStream_t stream) {
   const size_t dq_bytes = size_t(p.batch) * p.seq_q * p.heads_q * D * sizeof(float);
   if (cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, dq_bytes, stream); err != cudaSuccess) return err;
   const int smem = int(sizeof(backward_shared<T, D>)) + 1024;
-  if (cudaError_t err = allow_dynamic_shared<backward_kernel<T, D>>(smem); err != cudaSuccess) return err;
   const dim3 grid((p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS, p.heads_kv, p.batch);
-  backward_kernel<T, D><<<grid, config::THREADS, smem, stream>>>(args);
-  return cudaGetLastError();
+  return launch_with_shared<backward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);
 }
 
 }  // namespace tk::attention

@@ -112,10 +112,8 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_const
 template <typename T, int D>
 cudaError_t launch_forward(const ForwardParams& p, cudaStream_t stream) {
   const int smem = int(sizeof(forward_shared<T, D>)) + 1024;
-  if (cudaError_t err = allow_dynamic_shared<forward_kernel<T, D>>(smem); err != cudaSuccess) return err;
   const dim3 grid((p.seq_q + FWD_Q_ROWS - 1) / FWD_Q_ROWS, p.heads_q, p.batch);
-  forward_kernel<T, D><<<grid, FWD_THREADS, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_with_shared<forward_kernel<T, D>>(grid, FWD_THREADS, smem, stream, p);
 }
 
 }  // namespace tk::attention

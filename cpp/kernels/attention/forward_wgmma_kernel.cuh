@@ -135,10 +135,8 @@ cudaError_t launch_wgmma_forward(const ForwardParams& p, cudaStream_t stream) {
       !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, config::KV_ROWS))
     return cudaErrorInvalidValue;
   const int smem = int(sizeof(wgmma_forward_shared<T, D>)) + 1024;
-  if (cudaError_t err = allow_dynamic_shared<wgmma_forward_kernel<T, D>>(smem); err != cudaSuccess) return err;
   const dim3 grid((p.seq_q + config::Q_ROWS - 1) / config::Q_ROWS, p.heads_q, p.batch);
-  wgmma_forward_kernel<T, D><<<grid, config::THREADS, smem, stream>>>(args);
-  return cudaGetLastError();
+  return launch_with_shared<wgmma_forward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);
 }
 
 }  // namespace tk::attention

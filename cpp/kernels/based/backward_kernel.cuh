@@ -432,10 +432,8 @@ __global__ void __launch_bounds__(BWD_THREADS, 1) dkv_kernel(const __grid_consta
 template <typename T>
 cudaError_t launch_dkv(const BackwardParams& p, cudaStream_t stream) {
   const int smem = int(sizeof(backward_shared<T>)) + 1024;
-  if (cudaError_t err = allow_dynamic_shared<dkv_kernel<T>>(smem); err != cudaSuccess) return err;
   const dim3 grid(p.value_dim / BWD_COLS, p.heads, p.batch);
-  dkv_kernel<T><<<grid, BWD_THREADS, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_with_shared<dkv_kernel<T>>(grid, BWD_THREADS, smem, stream, p);
 }
 
 }  // namespace tk::based

@@ -282,10 +282,8 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_const
 template <typename T>
 cudaError_t launch_dq(const BackwardParams& p, cudaStream_t stream) {
   const int smem = int(sizeof(dq_shared<T>)) + 1024;
-  if (cudaError_t err = allow_dynamic_shared<dq_kernel<T>>(smem); err != cudaSuccess) return err;
   const dim3 grid(p.value_dim / V_BLOCK, p.heads, p.batch);
-  dq_kernel<T><<<grid, STATE_THREADS, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_with_shared<dq_kernel<T>>(grid, STATE_THREADS, smem, stream, p);
 }
 
 }  // namespace tk::based

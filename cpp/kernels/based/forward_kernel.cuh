@@ -264,10 +264,8 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
 template <typename T>
 cudaError_t launch_forward(const ForwardParams& p, cudaStream_t stream) {
   const int smem = int(sizeof(forward_shared<T>)) + 1024;
-  if (cudaError_t err = allow_dynamic_shared<forward_kernel<T>>(smem); err != cudaSuccess) return err;
   const dim3 grid(p.value_dim / V_BLOCK, p.heads, p.batch);
-  forward_kernel<T><<<grid, FWD_THREADS, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_with_shared<forward_kernel<T>>(grid, FWD_THREADS, smem, stream, p);
 }
 
 }  // namespace tk::based

@@ -24,4 +24,13 @@ cudaError_t allow_dynamic_shared(int bytes) {
   return err;
 }
 
+// Launch `Kernel` on `stream` with `bytes` of dynamic shared memory, raising its limit first;
+// returns the launch status, never synchronises.
+template <auto Kernel, typename... Args>
+cudaError_t launch_with_shared(dim3 grid, int threads, int bytes, cudaStream_t stream, const Args&... args) {
+  if (cudaError_t err = allow_dynamic_shared<Kernel>(bytes); err != cudaSuccess) return err;
+  Kernel<<<grid, threads, bytes, stream>>>(args...);
+  return cudaGetLastError();
+}
+
 }  // namespace kittens
