@@ -38,14 +38,6 @@ struct dq_shared {
   float4 normaliser_parts[2][ROW_TILES][WARP_THREADS][2];
 };
 
-// cp.async of the chunk's row statistics (4 bytes each: [B, H, T] rows need not be 16-byte
-// aligned); rows past the sequence become 0, so they contribute nothing.
-__device__ __forceinline__ void load_row_stats_async(float* dst, const float* src, int valid) {
-  for (int t = threadIdx.x; t < CHUNK; t += STATE_THREADS)
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_addr(dst + t)),
-                 "l"(src + (t < valid ? t : 0)), "r"(t < valid ? 4 : 0));
-}
-
 template <typename T>
 __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_constant__ BackwardParams p) {
   extern __shared__ char smem_raw[];

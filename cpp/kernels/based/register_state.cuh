@@ -51,6 +51,14 @@ __device__ __forceinline__ void row_tiles_of_half(int (&row_tile)[ROW_TILES], in
   for (int i = 0; i < ROW_TILES; i++) row_tile[i] = (fh == 0 ? 0x2130 : 0x3021) >> (4 * i) & 0xF;
 }
 
+// cp.async of the chunk's row statistics (4 bytes each: [B, H, T] rows need not be 16-byte
+// aligned); rows past the sequence become 0, so they contribute nothing.
+__device__ __forceinline__ void load_row_stats_async(float* dst, const float* src, int valid) {
+  for (int t = threadIdx.x; t < CHUNK; t += STATE_THREADS)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_addr(dst + t)),
+                 "l"(src + (t < valid ? t : 0)), "r"(t < valid ? 4 : 0));
+}
+
 // The fragment of a 16 x 16 float tile into a shared slot [lane][2], for another warp of the
 // block to read in the same order: (x, y) of row g and (z, w) of row g + 8, columns 2c, 2c + 1
 // (slot 0) and 2c + 8, 2c + 9 (slot 1).
