@@ -1,5 +1,4 @@
 // Checks and dispatch for the Based backward launcher.
-#include "backward_kernel.cuh"
 #include "based.h"
 #include "dkv_kernel.cuh"
 #include "dq_kernel.cuh"
@@ -26,7 +25,7 @@ cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
                     : bf       ? launch_dq<bf16>(p, stream)
                                : launch_dq<half>(p, stream);
   if (err != cudaSuccess) return err;
-  return bf ? launch_dkv_register<bf16>(p, stream) : launch_dkv_register<half>(p, stream);
+  return bf ? launch_dkv<bf16>(p, stream) : launch_dkv<half>(p, stream);
 }
 
 }  // namespace tk::based

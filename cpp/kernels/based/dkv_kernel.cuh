@@ -1,5 +1,5 @@
 // Based backward, the dk/dv sweep, with the state in registers (the organisation of the forward
-// and of dq_kernel.cuh). DRAFT: compiled, not yet run on a GPU.
+// and of dq_kernel.cuh).
 //
 // With dnum'_t = [dy_t inv_den_t, dden_t] and R'_j = [dS, dz] + sum_{t>=j} phi(q_t) dnum'_t^T:
 //   dv_j = R_j^T phi(k_j)                      (a contraction over features, like the forward's y)
@@ -69,7 +69,7 @@ __device__ __forceinline__ rt_base<bf16, layout::col> rows_scaled(const rt_base<
 }
 
 template <typename T>
-__global__ void __launch_bounds__(STATE_THREADS, 1) dkv_register_kernel(const __grid_constant__ BackwardParams p) {
+__global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_constant__ BackwardParams p) {
   extern __shared__ char smem_raw[];
   // Swizzled tiles need 1024-byte alignment; the dynamic shared base only promises 16.
   auto& s = *reinterpret_cast<dkv_shared<T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -368,12 +368,10 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_register_kernel(const __
 }
 
 template <typename T>
-cudaError_t launch_dkv_register(const BackwardParams& p, cudaStream_t stream) {
+cudaError_t launch_dkv(const BackwardParams& p, cudaStream_t stream) {
   const int smem = int(sizeof(dkv_shared<T>)) + 1024;
-  if (cudaError_t err = allow_dynamic_shared<dkv_register_kernel<T>>(smem); err != cudaSuccess) return err;
   const dim3 grid(p.value_dim / V_BLOCK, p.heads, p.batch);
-  dkv_register_kernel<T><<<grid, STATE_THREADS, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_with_shared<dkv_kernel<T>>(grid, STATE_THREADS, smem, stream, p);
 }
 
 }  // namespace tk::based
