@@ -27,7 +27,7 @@ struct wgmma_test_shared {
 
 __global__ void __launch_bounds__(128) wgmma_test_kernel(const __grid_constant__ WgmmaTestArgs args) {
   extern __shared__ char smem_raw[];
-  auto& s = *reinterpret_cast<wgmma_test_shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  auto& s = aligned_shared<wgmma_test_shared>(smem_raw);
   if (threadIdx.x == 0) {
     tma::init(s.loaded, 1);
     tma::fence_barrier_init();

@@ -52,8 +52,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   constexpr int QT = config::Q_ROWS, STAGES = config::STAGES;
   const BackwardParams& p = args.p;
   extern __shared__ char smem_raw[];
-  auto& s = *reinterpret_cast<backward_shared<T, D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                                      ~uintptr_t(1023));
+  auto& s = aligned_shared<backward_shared<T, D>>(smem_raw);
 
   const int kv_h = blockIdx.y, b = blockIdx.z;
   const int k0 = blockIdx.x * config::KV_ROWS;

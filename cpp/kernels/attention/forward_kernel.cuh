@@ -33,8 +33,7 @@ struct forward_shared {
 template <typename T, int D>
 __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_constant__ ForwardParams p) {
   extern __shared__ char smem_raw[];
-  // Swizzled tiles need 1024-byte alignment; the dynamic shared base only promises 16.
-  auto& s = *reinterpret_cast<forward_shared<T, D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  auto& s = aligned_shared<forward_shared<T, D>>(smem_raw);
 
   const int num_q_blocks = gridDim.x;
   // Under a causal or window band the last query blocks do the most work: start them first.

@@ -50,8 +50,7 @@ __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
   constexpr int KV = config::KV_ROWS, STAGES = config::STAGES;
   const ForwardParams& p = args.p;
   extern __shared__ char smem_raw[];
-  auto& s = *reinterpret_cast<wgmma_forward_shared<T, D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                                           ~uintptr_t(1023));
+  auto& s = aligned_shared<wgmma_forward_shared<T, D>>(smem_raw);
 
   const int q_block = p.window_right >= 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z;

@@ -53,12 +53,11 @@ __device__ __forceinline__ rt_base<bf16, layout::col> transposed(const rt_base<b
   return out;
 }
 
-// A col-layout fragment of 16 tokens (k) x 16 columns, each token's row times its factor w[t]
-// (the pairs t = 2c, 2c + 1 in data[0] / data[1], t + 8 in data[2] / data[3]), in bf16.
+// A col-layout fragment of 16 tokens (k) x 16 columns, each token's row times its factor (tokens
+// 2c, 2c + 1 in data[0] / data[1] with factors lo, tokens 2c + 8, 2c + 9 in data[2] / data[3]
+// with factors hi), in bf16.
 template <typename T>
-__device__ __forceinline__ rt_base<bf16, layout::col> rows_scaled(const rt_base<T, layout::col>& x, const float* w) {
-  const int c = laneid() & 3;
-  const float2 lo = *reinterpret_cast<const float2*>(w + 2 * c), hi = *reinterpret_cast<const float2*>(w + 2 * c + 8);
+__device__ __forceinline__ rt_base<bf16, layout::col> rows_scaled(const rt_base<T, layout::col>& x, float2 lo, float2 hi) {
   rt_base<bf16, layout::col> out;
 #pragma unroll
   for (int r = 0; r < 4; r++) {
@@ -71,8 +70,7 @@ __device__ __forceinline__ rt_base<bf16, layout::col> rows_scaled(const rt_base<
 template <typename T>
 __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_constant__ BackwardParams p) {
   extern __shared__ char smem_raw[];
-  // Swizzled tiles need 1024-byte alignment; the dynamic shared base only promises 16.
-  auto& s = *reinterpret_cast<dkv_shared<T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  auto& s = aligned_shared<dkv_shared<T>>(smem_raw);
 
   const int v_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int v0 = v_block * V_BLOCK;
@@ -225,7 +223,8 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_cons
     }
 
     // 3. Inside the chunk, for this warp's two key tiles m and the query tiles qt >= m:
-    //    x = k . q, A^T = 1 + x/4 + x^2/32 and (1 + s) / 4 = 1/4 + x/16 on t >= j.
+    //    x = k . q, A^T = 1 + x/4 + x^2/32 and (1 + s) / 4 = 1/4 + x/16 on t >= j. Only the
+    //    diagonal tile and a tail need masks.
 #pragma unroll
     for (int i = 0; i < 2; i++) {
       const int m = row_tile[i];
@@ -243,46 +242,43 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_cons
           zero(ds);
           detail::mma_base(x.tiles[0][0], k.tiles[0][0], q.tiles[0][0]);    // K Q^T [key x query]
           detail::mma_base(ds.tiles[0][0], v.tiles[0][0], dy.tiles[0][0]);  // V dy^T, this warp's columns
-          const auto visible = [&](int r, int query) {
-            return 16 * qt + query >= 16 * m + r && 16 * qt + query < real_tokens;
+          const bool masked = qt == m || real_tokens < CHUNK;
+          const auto mask = [&](rt_fl<16, 16>& t) {
+            for_each(t, [&](float& a, int r, int query) {
+              if (16 * qt + query < 16 * m + r || 16 * qt + query >= real_tokens) a = 0.f;
+            });
           };
+          // The factors of this lane's query columns 2c, 2c + 1 (lo) and 2c + 8, 2c + 9 (hi).
+          const float* col_inv = inv_den + 16 * qt + 2 * (lane & 3);
+          const float2 inv_lo = *reinterpret_cast<const float2*>(col_inv);
+          const float2 inv_hi = *reinterpret_cast<const float2*>(col_inv + 8);
           // dv += A^T dnum (dnum = dy inv_den, rounded to bf16 like the weights).
           rt_fl<16, 16> w = x;
-          for_each(w, [&](float& a, int r, int query) {
-            a = visible(r, query) ? fmaf(a, fmaf(a, 1.f / 32, 0.25f), 1.f) : 0.f;
-          });
+          map(w, [](float a) { return fmaf(a, fmaf(a, 1.f / 32, 0.25f), 1.f); });
+          if (masked) mask(w);
           rt<bf16, 16, 16> w16;
           copy(w16, w);
           rt<T, 16, FEATURE_DIM, layout::col> dy_col;
           load(dy_col, s.dy[stage], 16 * qt, c0);
-          detail::mma_base(dv[i].tiles[0][0], w16.tiles[0][0], rows_scaled(dy_col.tiles[0][0], inv_den + 16 * qt));
+          detail::mma_base(dv[i].tiles[0][0], w16.tiles[0][0], rows_scaled(dy_col.tiles[0][0], inv_lo, inv_hi));
           // dk += ds^T Q, ds^T a per-column-group part of a cancelling sum: bf16 high + low.
-          for_each(ds, [&](float& d, int r, int query) {
-            const int t = 16 * qt + query;
-            d = visible(r, query) ? d * inv_den[t] + (ones_column && cg == 0 ? dden[t] : 0.f) : 0.f;
-          });
-          for_each(x, [&](float& a, int, int) { a = 0.25f + a / 16; });
-          mul(ds, x);
-          rt<bf16, 16, 16> ds_hi, ds_lo;
-          copy(ds_hi, ds);
-          rt_fl<16, 16> rest;
-          copy(rest, ds_hi);
-#pragma unroll
-          for (int e = 0; e < 4; e++) {
-            rest.tiles[0][0].data[e].x = ds.tiles[0][0].data[e].x - rest.tiles[0][0].data[e].x;
-            rest.tiles[0][0].data[e].y = ds.tiles[0][0].data[e].y - rest.tiles[0][0].data[e].y;
+          float2 dden_lo = make_float2(0.f, 0.f), dden_hi = dden_lo;
+          if (ones_column && cg == 0) {
+            const float* col_dden = dden + 16 * qt + 2 * (lane & 3);
+            dden_lo = *reinterpret_cast<const float2*>(col_dden);
+            dden_hi = *reinterpret_cast<const float2*>(col_dden + 8);
           }
-          copy(ds_lo, rest);
+          scale_shift_columns(ds.tiles[0][0], inv_lo, inv_hi, dden_lo, dden_hi);
+          map(x, [](float a) { return 0.25f + a / 16; });
+          mul(ds, x);
+          if (masked) mask(ds);
+          rt_base<bf16, layout::row> ds_hi, ds_lo;
+          split_bf16(ds.tiles[0][0], ds_hi, ds_lo);
           rt<T, 16, FEATURE_DIM, layout::col> q_col;  // Q [16 queries x 16 features] as a B operand
           load(q_col, s.q[stage], 16 * qt, 0);
-          rt_base<bf16, layout::col> qb;
-#pragma unroll
-          for (int e = 0; e < 4; e++) {
-            const float2 f = unpack(q_col.tiles[0][0].data[e]);
-            qb.data[e] = pack<bf16>(f.x, f.y);
-          }
-          detail::mma_base(dk[i].tiles[0][0], ds_hi.tiles[0][0], qb);
-          detail::mma_base(dk[i].tiles[0][0], ds_lo.tiles[0][0], qb);
+          const auto qb = to_bf16(q_col.tiles[0][0]);
+          detail::mma_base(dk[i].tiles[0][0], ds_hi, qb);
+          detail::mma_base(dk[i].tiles[0][0], ds_lo, qb);
         }
     }
 #pragma unroll
@@ -330,7 +326,9 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_cons
       rt<T, 16, FEATURE_DIM, layout::col> qc, dy_col;
       load(qc, s.q[stage], 16 * qt, 0);
       load(dy_col, s.dy[stage], 16 * qt, c0);
-      const auto dnum = rows_scaled(dy_col.tiles[0][0], inv_den + 16 * qt);
+      const float* col_inv = inv_den + 16 * qt + 2 * (lane & 3);
+      const auto dnum = rows_scaled(dy_col.tiles[0][0], *reinterpret_cast<const float2*>(col_inv),
+                                    *reinterpret_cast<const float2*>(col_inv + 8));
       rt_base<T, layout::col> qc32;
 #pragma unroll
       for (int e = 0; e < 4; e++) qc32.data[e] = __hmul2(qc.tiles[0][0].data[e], pack<T>(1.f / 32, 1.f / 32));

@@ -41,8 +41,7 @@ struct dq_shared {
 template <typename T>
 __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_constant__ BackwardParams p) {
   extern __shared__ char smem_raw[];
-  // Swizzled tiles need 1024-byte alignment; the dynamic shared base only promises 16.
-  auto& s = *reinterpret_cast<dq_shared<T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  auto& s = aligned_shared<dq_shared<T>>(smem_raw);
 
   const int v_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int v0 = v_block * V_BLOCK;
@@ -175,12 +174,16 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_const
 
     // 3. Inside the chunk, for this warp's two row tiles: ds = (dy v^T inv_den + dden) (1 + s) / 4
     //    over the causal keys (dy v^T over this warp's columns; dden once, by column group 0).
+    //    Key tiles past the diagonal are skipped; only the diagonal tile and a tail need masks.
 #pragma unroll
     for (int i = 0; i < 2; i++) {
       const int m = row_tile[i];
       rt<T, 16, FEATURE_DIM> q, dy;
       load(q, s.q[stage], 16 * m, 0);
       load(dy, s.dy[stage], 16 * m, c0);
+      const int row = 16 * m + (lane >> 2);  // this lane's rows: row and row + 8
+      const float2 row_scale = make_float2(inv_den[row], inv_den[row + 8]);
+      const float2 row_shift = ones_column && cg == 0 ? make_float2(dden[row], dden[row + 8]) : make_float2(0.f, 0.f);
 #pragma unroll
       for (int kt = 0; kt < ROW_TILES; kt++)
         if (kt <= m) {
@@ -192,36 +195,23 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_const
           zero(ds);
           detail::mma_base(qk.tiles[0][0], q.tiles[0][0], k.tiles[0][0]);
           detail::mma_base(ds.tiles[0][0], dy.tiles[0][0], v.tiles[0][0]);
-          for_each(ds, [&](float& x, int r, int key) {
-            const int row = 16 * m + r, col = 16 * kt + key;
-            x = (col <= row && col < real_tokens)
-                    ? (x * inv_den[row] + (ones_column && cg == 0 ? dden[row] : 0.f)) : 0.f;
-          });
+          scale_shift_rows(ds.tiles[0][0], row_scale, row_shift);
           map(qk, [](float x) { return 0.25f + x / 16; });  // (1 + s) / 4 with s = q.k / 4
           mul(ds, qk);
+          if (kt == m || real_tokens < CHUNK)
+            for_each(ds, [&](float& x, int r, int key) {
+              if (16 * kt + key > 16 * m + r || 16 * kt + key >= real_tokens) x = 0.f;
+            });
           // ds is this warp's part of a sum over column groups that nearly cancels where y_t
           // hardly depends on q_t: it goes to the tensor cores as bf16 high and low parts, so
           // that its rounding (not the sum's) stays ~2^-16 of it.
-          rt<bf16, 16, 16> ds_hi, ds_lo;
-          copy(ds_hi, ds);
-          rt_fl<16, 16> rest;
-          copy(rest, ds_hi);
-#pragma unroll
-          for (int r = 0; r < 4; r++) {
-            rest.tiles[0][0].data[r].x = ds.tiles[0][0].data[r].x - rest.tiles[0][0].data[r].x;
-            rest.tiles[0][0].data[r].y = ds.tiles[0][0].data[r].y - rest.tiles[0][0].data[r].y;
-          }
-          copy(ds_lo, rest);
+          rt_base<bf16, layout::row> ds_hi, ds_lo;
+          split_bf16(ds.tiles[0][0], ds_hi, ds_lo);
           rt<T, 16, FEATURE_DIM, layout::col> kc;  // K [16 keys x 16 features] as a B operand
           load(kc, s.k[stage], 16 * kt, 0);
-          rt_base<bf16, layout::col> kb;
-#pragma unroll
-          for (int r = 0; r < 4; r++) {
-            const float2 x = unpack(kc.tiles[0][0].data[r]);
-            kb.data[r] = pack<bf16>(x.x, x.y);
-          }
-          detail::mma_base(acc[i].tiles[0][0], ds_hi.tiles[0][0], kb);
-          detail::mma_base(acc[i].tiles[0][0], ds_lo.tiles[0][0], kb);
+          const auto kb = to_bf16(kc.tiles[0][0]);
+          detail::mma_base(acc[i].tiles[0][0], ds_hi, kb);
+          detail::mma_base(acc[i].tiles[0][0], ds_lo, kb);
         }
     }
 #pragma unroll

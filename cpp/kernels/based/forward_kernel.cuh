@@ -59,8 +59,7 @@ __device__ __forceinline__ float tile_scale(int own, int fh) { return own < 8 ? 
 template <typename T>
 __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_constant__ ForwardParams p) {
   extern __shared__ char smem_raw[];
-  // Swizzled tiles need 1024-byte alignment; the dynamic shared base only promises 16.
-  auto& s = *reinterpret_cast<forward_shared<T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  auto& s = aligned_shared<forward_shared<T>>(smem_raw);
 
   const int v_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int v0 = v_block * V_BLOCK;  // this block's first value column

@@ -109,19 +109,50 @@ __device__ __forceinline__ void scale_by_column_pair(rt_base<bf16, layout::row>&
   }
 }
 
-// A row-layout fragment in bf16.
-template <typename T>
-__device__ __forceinline__ rt_base<bf16, layout::row> to_bf16(const rt_base<T, layout::row>& x) {
+// A fragment in bf16 (the same registers when it already is).
+template <typename T, typename L>
+__device__ __forceinline__ rt_base<bf16, L> to_bf16(const rt_base<T, L>& x) {
   if constexpr (std::is_same_v<T, bf16>) {
     return x;
   } else {
-    rt_base<bf16, layout::row> out;
+    rt_base<bf16, L> out;
 #pragma unroll
     for (int r = 0; r < 4; r++) {
       const float2 v = unpack(x.data[r]);
       out.data[r] = pack<bf16>(v.x, v.y);
     }
     return out;
+  }
+}
+
+// x * scale + shift per row of a 16 x 16 fragment: .x for row g, .y for row g + 8.
+__device__ __forceinline__ void scale_shift_rows(rt_base<float, layout::row>& x, float2 scale, float2 shift) {
+#pragma unroll
+  for (int r = 0; r < 4; r++) {
+    const float a = (r & 1) ? scale.y : scale.x, c = (r & 1) ? shift.y : shift.x;
+    x.data[r] = make_float2(fmaf(x.data[r].x, a, c), fmaf(x.data[r].y, a, c));
+  }
+}
+// x * scale + shift per column: lo for columns 2c, 2c + 1, hi for 2c + 8, 2c + 9 (the factors
+// of a lane's columns, read as two float2 from a 16-entry row vector at 2c and 2c + 8).
+__device__ __forceinline__ void scale_shift_columns(rt_base<float, layout::row>& x, float2 scale_lo, float2 scale_hi,
+                                                    float2 shift_lo, float2 shift_hi) {
+#pragma unroll
+  for (int r = 0; r < 4; r++) {
+    const float2 a = r < 2 ? scale_lo : scale_hi, c = r < 2 ? shift_lo : shift_hi;
+    x.data[r] = make_float2(fmaf(x.data[r].x, a.x, c.x), fmaf(x.data[r].y, a.y, c.y));
+  }
+}
+
+// x as bf16 high and low parts (hi + lo = x to ~2^-16 relative): for sums that nearly cancel,
+// whose terms would otherwise each be rounded to 2^-9 of themselves on their way to the mma.
+__device__ __forceinline__ void split_bf16(const rt_base<float, layout::row>& x, rt_base<bf16, layout::row>& hi,
+                                           rt_base<bf16, layout::row>& lo) {
+#pragma unroll
+  for (int r = 0; r < 4; r++) {
+    hi.data[r] = pack<bf16>(x.data[r].x, x.data[r].y);
+    const float2 h = unpack(hi.data[r]);
+    lo.data[r] = pack<bf16>(x.data[r].x - h.x, x.data[r].y - h.y);
   }
 }
 

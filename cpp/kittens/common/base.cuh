@@ -68,4 +68,14 @@ __device__ __forceinline__ uint32_t shared_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The dynamic shared memory `raw` as a struct S at the next 1024-byte boundary (swizzled tiles
+// need it; the base only promises 16 bytes). The offset is added to the pointer, not computed
+// through an integer address, so the compiler still knows every access is to shared memory
+// (ld.shared, not generic loads that check the address window first).
+template <typename S>
+__device__ __forceinline__ S& aligned_shared(char* raw) {
+  const uint32_t pad = (1024u - (shared_addr(raw) & 1023u)) & 1023u;
+  return *reinterpret_cast<S*>(raw + pad);
+}
+
 }  // namespace kittens
