@@ -18,12 +18,12 @@
 // Per chunk (t0 = its first token), with Q, K, V in shared memory:
 //   1. each warp: its partial y_C over its 9 feature tiles for all 64 rows (4 row tiles);
 //      the partial of the row tiles the other feature half finishes goes to shared memory.
-//      Each warp also computes half of phi(q) . z (the normaliser's state term) of one row tile.
+//      Each warp also computes one of two parts of phi(q) . z (the normaliser's state term) of
+//      one row tile, with one mma (vector_state in register_state.cuh).
 //   2. each warp finishes 2 row tiles (fh = 0: rows 0-15 and 48-63, fh = 1: rows 16-47) of its columns:
 //      the intra-chunk term tril(1 + s + s^2/2) V_C with s = Q K^T / 4, the other half's
 //      partial, the normaliser, then y straight to global memory.
-//   3. each warp folds the chunk into its state tiles; one warp updates z (shared, fp32, exact
-//      from K^T K as in features.cuh).
+//   3. each warp folds the chunk into its state tiles and its copy of z (exact, from K^T K).
 // 16-bit operands: phi(Q) and the rounded state are bf16 even for fp16 inputs (state entries
 // grow with the sequence and would overflow fp16); everything else is in the input type, every
 // sum fp32.
@@ -46,8 +46,7 @@ template <typename T>
 struct forward_shared {
   st<T, CHUNK, FEATURE_DIM> q[2], k[2];  // double-buffered chunks
   st<T, CHUNK, V_BLOCK> v[2];
-  float z[PADDED_FEATURES];              // sum of phi(k) so far (internal feature order)
-  float den_state[2][CHUNK];             // phi(q_t) . z of the chunk's rows, in two halves
+  float den_state[2][CHUNK];             // phi(q_t) . z of the chunk's rows, in two parts
   // Partial y handed from one feature half to the other: [warp][row tile][lane][8 floats],
   // written and read in fragment order (same lane both sides), so with 16-byte accesses.
   float4 partial[FWD_WARPS][2][WARP_THREADS][2];
@@ -97,7 +96,8 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
       state[i].data[r] = make_float2(pair[0], pair[1]);
     }
   }
-  read_vector_state(s.z, p.z0, head);
+  vector_state z;  // the normaliser's state, a copy per warp
+  z.load(p.z0 + head * NUM_FEATURES);
 
   // Row tiles in this warp's order: the two it finishes, then the two it hands over.
   int row_tile[ROW_TILES];
@@ -141,22 +141,18 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
     }
 #pragma unroll
     for (int i = 2; i < ROW_TILES; i++) put_fragment(s.partial[warp][i - 2], y[i].tiles[0][0]);
-    // phi(q) . z for finished row tile cg & 1, half of its features (cg >> 1) per warp.
-    const auto state_normaliser = [&](const rt<T, 16, FEATURE_DIM>& q_tile, int row_tile) {
-      const int row0 = 16 * row_tile, half = cg >> 1;
-      float q_rows[2][8];
-      load_row_piece(q_rows[0], s.q[stage], row0 + (lane >> 2), 8 * half);
-      load_row_piece(q_rows[1], s.q[stage], row0 + (lane >> 2) + 8, 8 * half);
-      const row_vec<16> den = normaliser_from_state(q_rows, q_tile, s.z, half);
+    // phi(q) . z for finished row tile cg & 1, part cg >> 1 (vector_state::normaliser_part).
+    {
+      rt_base<T, layout::row> q_tile;
+#pragma unroll
+      for (int r = 0; r < 4; r++) q_tile.data[r] = (cg & 1) ? q[1].tiles[0][0].data[r] : q[0].tiles[0][0].data[r];
+      const float2 den = z.normaliser_part(q_tile, cg >> 1);
+      const int row = 16 * ((cg & 1) ? row_tile[1] : row_tile[0]) + (lane >> 2);
       if ((lane & 3) == 0) {
-        s.den_state[half][row0 + (lane >> 2)] = den.data[0][0];
-        s.den_state[half][row0 + (lane >> 2) + 8] = den.data[0][1];
+        s.den_state[cg >> 1][row] = den.x;
+        s.den_state[cg >> 1][row + 8] = den.y;
       }
-    };
-    if ((cg & 1) == 0)
-      state_normaliser(q[0], row_tile[0]);
-    else
-      state_normaliser(q[1], row_tile[1]);
+    }
 
     // 2a. The intra-chunk term of this warp's two row tiles: weights 1 + s + s^2/2 with
     // s = q.k / 4, i.e. 1 + x/4 + x^2/32 for x = q.k, over the keys up to the row (key tiles
@@ -235,13 +231,12 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
 #pragma unroll
       for (int r = 0; r < 4; r++) kc32.data[r] = __hmul2(kc.tiles[0][0].data[r], pack<T>(1.f / 32, 1.f / 32));
       const auto& v_t = reinterpret_cast<const rt_base<T, layout::row>&>(v_c.tiles[kt][0]);  // V_C^T
+      z.add(kc.tiles[0][0], min(16, max(0, real_tokens - 16 * kt)));
 #pragma unroll
       for (int own = 0; own < OWN_TILES; own++)
         detail::mma_base(state[own], v_t, phi_k_tile(kc.tiles[0][0], kc32, own, fh));
     }
-    if (warp == FWD_WARPS - 1) accumulate_feature_sums(s.z, s.k[stage], nullptr, real_tokens);
   }
-  __syncthreads();  // the last z update is complete
 
   // The final state, back in the external order and scale.
   float* state_out = p.state + head * NUM_FEATURES * p.value_dim + v0 + c0;
@@ -256,8 +251,7 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
         if (f >= 0) state_out[int64_t(f) * p.value_dim + fragment_row(r)] = (j ? state[i].data[r].y : state[i].data[r].x) * scale;
       }
   }
-  if (v_block == 0)  // z is the same for every block of the head
-    for (int f = threadIdx.x; f < NUM_FEATURES; f += FWD_THREADS) p.z[head * NUM_FEATURES + f] = s.z[internal_feature(f)];
+  if (v_block == 0 && warp == 0) z.store(p.z + head * NUM_FEATURES);  // z is the same for every block and warp
 }
 
 template <typename T>

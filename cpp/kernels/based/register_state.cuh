@@ -189,6 +189,94 @@ __device__ __forceinline__ rt_base<T, layout::col> phi_k_tile(const rt_base<T, l
   return out;
 }
 
+// The normaliser's state z = sum_j phi(k_j) in registers, in the three pieces the feature map
+// makes of it: the Gram matrix M = sum_j k_j k_j^T (z's second order is c2 M, c2 = 1/(4 sqrt 2)),
+// the key sum u = sum_j k_j (first order u / 2) and the token count n (constant feature). Every
+// warp keeps its own copy (17 registers) and updates it with two mma per 16 tokens, exactly
+// (products of 16-bit values are exact in fp32, as are the sums of small integers), so that
+//   phi(q) . z = q^T M q / 32 + q . u / 4 + n        (c2^2 = 1/32)
+// costs one mma per 16 rows: Q M / 32, then a row-wise dot with q.
+struct vector_state {
+  rt_base<float, layout::row> gram;    // M [a, b] as an accumulator (row a, column b)
+  rt_base<float, layout::row> keysum;  // u [b] in every row (an accumulator of ones^T K)
+  float count;
+
+  // From z0 [273] (external order) of this head.
+  __device__ __forceinline__ void load(const float* z0) {
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const int a = fragment_row(r), b0 = fragment_col(r, 0);
+      gram.data[r] = make_float2(z0[17 + 16 * a + b0] / SECOND_ORDER_SCALE, z0[17 + 16 * a + b0 + 1] / SECOND_ORDER_SCALE);
+      keysum.data[r] = make_float2(z0[1 + b0] / FIRST_ORDER_SCALE, z0[1 + b0 + 1] / FIRST_ORDER_SCALE);
+    }
+    count = z0[0];
+  }
+
+  // Add 16 tokens, from K's col-layout fragment (rows past the sequence are zero); `tokens` of
+  // them are real.
+  template <typename T>
+  __device__ __forceinline__ void add(const rt_base<T, layout::col>& kc, int tokens) {
+    // The same registers are K^T as a row-layout A operand (see phi_k_tile).
+    detail::mma_base(gram, reinterpret_cast<const rt_base<T, layout::row>&>(kc), kc);
+    rt_base<T, layout::row> ones;
+#pragma unroll
+    for (int r = 0; r < 4; r++) ones.data[r] = pack<T>(1.f, 1.f);
+    detail::mma_base(keysum, ones, kc);
+    count += float(tokens);
+  }
+
+  // Part `part` (0 or 1) of phi(q) . z for the 16 rows of q (row-layout fragment): .x for row
+  // g, .y for row g + 8, in every lane of the quad. M goes to the tensor cores as bf16 high
+  // (part 0, with u and n) and low (part 1) parts, so that the sum of both parts is as exact
+  // as M itself.
+  template <typename T>
+  __device__ __forceinline__ float2 normaliser_part(const rt_base<T, layout::row>& q, int part) const {
+    rt_base<bf16, layout::col> m;  // the accumulator of M rounded: M^T as a B operand (q^T M^T q = q^T M q)
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const float x = gram.data[r].x * (1.f / 32), y = gram.data[r].y * (1.f / 32);
+      const auto hi = pack<bf16>(x, y);
+      const float2 h = unpack(hi);
+      m.data[r] = part == 0 ? hi : pack<bf16>(x - h.x, y - h.y);
+    }
+    rt_base<float, layout::row> qm;  // Q M^T / 32, plus u / 4 in every row for part 0
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const float2 u = keysum.data[r & 2];
+      qm.data[r] = part == 0 ? make_float2(u.x * 0.25f, u.y * 0.25f) : make_float2(0.f, 0.f);
+    }
+    detail::mma_base(qm, to_bf16(q), m);
+    float sum[2] = {0.f, 0.f};  // rows g, g + 8
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const float2 x = unpack(q.data[r]);
+      sum[r & 1] = fmaf(qm.data[r].x, x.x, fmaf(qm.data[r].y, x.y, sum[r & 1]));
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      sum[h] += __shfl_xor_sync(0xffffffff, sum[h], 1);
+      sum[h] += __shfl_xor_sync(0xffffffff, sum[h], 2);
+      if (part == 0) sum[h] += count;
+    }
+    return make_float2(sum[0], sum[1]);
+  }
+
+  // To z [273] (external order) of this head, by one warp.
+  __device__ __forceinline__ void store(float* z) const {
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const int a = fragment_row(r), b0 = fragment_col(r, 0);
+      z[17 + 16 * a + b0] = gram.data[r].x * SECOND_ORDER_SCALE;
+      z[17 + 16 * a + b0 + 1] = gram.data[r].y * SECOND_ORDER_SCALE;
+      if (a == 0) {
+        z[1 + b0] = keysum.data[r].x * FIRST_ORDER_SCALE;
+        z[1 + b0 + 1] = keysum.data[r].y * FIRST_ORDER_SCALE;
+      }
+    }
+    if (laneid() == 0) z[0] = count;
+  }
+};
+
 // A state tile as a bf16 B operand: an accumulator of X, scaled and rounded, is exactly the
 // col-layout fragment of X^T (the forward holds S_f^T and multiplies by S_f; the dq kernel
 // holds S_f and multiplies by S_f^T).
