@@ -29,7 +29,6 @@ struct dkv_shared {
   st<T, CHUNK, FEATURE_DIM> q[2], k[2];  // double-buffered chunks
   st<T, CHUNK, V_BLOCK> v[2], dy[2];
   float inv_den[2][CHUNK], dden[2][CHUNK];
-  float r[PADDED_FEATURES];  // the column of ones of R' (internal feature order)
   // dk parts [warp][row tile] and the r term's [feature half][row tile]; dv partials handed
   // from one feature half to the other [warp][finished tile]. All in fragment order.
   float4 parts[STATE_WARPS][ROW_TILES][WARP_THREADS][2];
@@ -118,7 +117,10 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_cons
       state[i].data[r] = make_float2(pair[0], pair[1]);
     }
   }
-  if (ones_column) read_vector_state(s.r, p.d_z, head);
+  // The column of ones of R' (used by ones_column blocks): r = dz + sum_{t >= j} phi(q_t) dden_t
+  // as a vector_state (a copy per warp), its second order symmetrised like dS.
+  vector_state r;
+  if (ones_column) r.load(p.d_z + head * NUM_FEATURES, true);
 
   int row_tile[ROW_TILES];  // key tiles; the causal work of tile m is 4 - m query tiles
   row_tiles_of_half(row_tile, fh);
@@ -193,33 +195,12 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_cons
 #pragma unroll
     for (int i = 2; i < ROW_TILES; i++) put_fragment(s.dv_partial[warp][i - 2], dv[i].tiles[0][0]);
 
-    // 2. The column of ones, in fp32: dk_j[m] += c2 sum_b (r[16m+b] + r[16b+m]) k_j[b] + r[256+m] / 2,
-    //    the sum over b split between the halves; row tile cg of the warp.
+    // 2. The column of ones: dk_j += J_phi(k_j)^T r, one of its two parts
+    //    (vector_state::gradient_part) per warp: row tile cg, part fh.
     if (ones_column) {
-      const int row0 = 16 * cg;
-      float k_rows[2][8];
-      load_row_piece(k_rows[0], s.k[stage], row0 + (lane >> 2), 8 * fh);
-      load_row_piece(k_rows[1], s.k[stage], row0 + (lane >> 2) + 8, 8 * fh);
-      rt_base<float, layout::row> out;
-#pragma unroll
-      for (int r = 0; r < 4; r++) {
-        float sums[2];
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          const int m = fragment_col(r, e);
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < 8; j++) {
-            const int bb = 8 * fh + j;
-            sum += (s.r[16 * m + bb] + s.r[16 * bb + m]) * k_rows[r & 1][j];
-          }
-          sum *= SECOND_ORDER_SCALE;
-          if (fh == 0) sum += FIRST_ORDER_SCALE * s.r[LINEAR_FEATURES + m];
-          sums[e] = sum;
-        }
-        out.data[r] = make_float2(sums[0], sums[1]);
-      }
-      put_fragment(s.vector_parts[fh][cg], out);
+      rt<T, 16, FEATURE_DIM> k;
+      load(k, s.k[stage], 16 * cg, 0);
+      put_fragment(s.vector_parts[fh][cg], r.gradient_part(k.tiles[0][0], fh));
     }
 
     // 3. Inside the chunk, for this warp's two key tiles m and the query tiles qt >= m:
@@ -329,6 +310,11 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_cons
       const float* col_inv = inv_den + 16 * qt + 2 * (lane & 3);
       const auto dnum = rows_scaled(dy_col.tiles[0][0], *reinterpret_cast<const float2*>(col_inv),
                                     *reinterpret_cast<const float2*>(col_inv + 8));
+      if (ones_column) {
+        const float* col_dden = dden + 16 * qt + 2 * (lane & 3);
+        r.add_weighted(qc.tiles[0][0], *reinterpret_cast<const float2*>(col_dden),
+                       *reinterpret_cast<const float2*>(col_dden + 8));
+      }
       rt_base<T, layout::col> qc32;
 #pragma unroll
       for (int e = 0; e < 4; e++) qc32.data[e] = __hmul2(qc.tiles[0][0].data[e], pack<T>(1.f / 32, 1.f / 32));
@@ -338,9 +324,7 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_cons
         detail::mma_base(state[own], to_bf16(reinterpret_cast<const rt_base<T, layout::row>&>(phi_t)), dnum);
       }
     }
-    if (ones_column && warp == STATE_WARPS - 1) accumulate_feature_sums(s.r, s.q[stage], dden, real_tokens);
   }
-  __syncthreads();  // the last r update is complete
 
   // dS0 = R'_0 in the external order: the tiles, plus dS's antisymmetric part (second order).
   float* d_state0 = p.d_state0 + head * NUM_FEATURES * p.value_dim + v0 + c0;
@@ -361,8 +345,7 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_cons
         d_state0[int64_t(ext) * p.value_dim + c] = x;
       }
   }
-  if (ones_column)
-    for (int f = threadIdx.x; f < NUM_FEATURES; f += STATE_THREADS) p.d_z0[head * NUM_FEATURES + f] = s.r[internal_feature(f)];
+  if (ones_column && warp == 0) r.store(p.d_z0 + head * NUM_FEATURES, p.d_z + head * NUM_FEATURES);
 }
 
 template <typename T>

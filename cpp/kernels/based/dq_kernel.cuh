@@ -4,8 +4,8 @@
 // With v' = [v, 1], dnum'_t = [dy_t inv_den_t, dden_t] and S'_t = S'0 + sum_{j<=t} phi(k_j) v'_j^T
 // (based.h), dphi(q_t) = S'_t dnum'_t and dq_t = J_phi(q_t)^T dphi(q_t). Per 64-token chunk:
 //   inter   G_t = S'_prev dnum'_t; the state part S dnum goes through the tensor cores, the
-//           normaliser column z dden in fp32 (the two nearly cancel where y_t hardly depends
-//           on q_t, and z is exact).
+//           normaliser column z dden through vector_state (z exact in registers, multiplied as
+//           bf16 high + low parts: the two terms nearly cancel where y_t hardly depends on q_t).
 //   intra   ds_tj = (dnum'_t . v'_j) (1 + s_tj) / 4 for j <= t, dq_t += sum_j ds_tj k_j.
 // The second-order part of the state is symmetric (feature (a, b) and (b, a) are the same
 // product), so J^T contracts it with one term: dq_t[b] += 2 c2 sum_a q_t[a] G_t[a, b]
@@ -31,7 +31,6 @@ struct dq_shared {
   st<T, CHUNK, FEATURE_DIM> q[2], k[2];  // double-buffered chunks
   st<T, CHUNK, V_BLOCK> v[2], dy[2];
   float inv_den[2][CHUNK], dden[2][CHUNK];
-  float z[PADDED_FEATURES];  // the normaliser's state column (internal feature order)
   // dq parts: [warp][row tile][lane][8 floats] from the state and intra-chunk terms, and
   // [feature half][row tile][lane][8 floats] from the normaliser column, in fragment order.
   float4 parts[STATE_WARPS][ROW_TILES][WARP_THREADS][2];
@@ -87,9 +86,8 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_const
       state[i].data[r] = make_float2(pair[0], pair[1]);
     }
   }
-  if (ones_column)  // z from z0 (read_vector_state's loop, written out: the compiled code was tested so)
-    for (int f = threadIdx.x; f < PADDED_FEATURES; f += STATE_THREADS)
-      s.z[f < NUM_FEATURES ? internal_feature(f) : f] = f < NUM_FEATURES ? p.z0[head * NUM_FEATURES + f] : 0.f;
+  vector_state z;  // the normaliser's state column, symmetrised like S0 (used by ones_column blocks)
+  if (ones_column) z.load(p.z0 + head * NUM_FEATURES, true);
 
   // Row tiles in this warp's order: the two whose intra-chunk term it adds, then the others.
   int row_tile[ROW_TILES];
@@ -142,33 +140,14 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_const
       mul_row(acc[i], scale);
     }
 
-    // 2. The normaliser column, in fp32: dq_t[b'] += dden_t (c2 sum_b (z[16b'+b] + z[16b+b']) q_t[b]
-    //    + z[256 + b'] / 2), the sum over b split between the halves; row tile cg of the warp.
+    // 2. The normaliser column: dq_t += dden_t d(phi(q_t) . z)/dq_t, one of its two parts
+    //    (vector_state::gradient_part) per warp: row tile cg, part fh.
     if (ones_column) {
-      const int row0 = 16 * cg;
-      float q_rows[2][8];  // q_t[8 fh + e] of this lane's rows g and g + 8
-      load_row_piece(q_rows[0], s.q[stage], row0 + (lane >> 2), 8 * fh);
-      load_row_piece(q_rows[1], s.q[stage], row0 + (lane >> 2) + 8, 8 * fh);
-      rt_base<float, layout::row> out;
-#pragma unroll
-      for (int r = 0; r < 4; r++) {
-        const int hh = r & 1;
-        float sums[2];
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          const int bp = fragment_col(r, e);
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < 8; j++) {
-            const int bb = 8 * fh + j;
-            sum += (s.z[16 * bp + bb] + s.z[16 * bb + bp]) * q_rows[hh][j];
-          }
-          sum *= SECOND_ORDER_SCALE;
-          if (fh == 0) sum += FIRST_ORDER_SCALE * s.z[LINEAR_FEATURES + bp];
-          sums[e] = sum * dden[row0 + (lane >> 2) + 8 * hh];
-        }
-        out.data[r] = make_float2(sums[0], sums[1]);
-      }
+      rt<T, 16, FEATURE_DIM> q;
+      load(q, s.q[stage], 16 * cg, 0);
+      auto out = z.gradient_part(q.tiles[0][0], fh);
+      const int row = 16 * cg + (lane >> 2);
+      scale_shift_rows(out, make_float2(dden[row], dden[row + 8]), make_float2(0.f, 0.f));
       put_fragment(s.normaliser_parts[fh][cg], out);
     }
 
@@ -216,7 +195,7 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_const
     }
 #pragma unroll
     for (int i = 0; i < ROW_TILES; i++) put_fragment(s.parts[warp][row_tile[i]], acc[i].tiles[0][0]);
-    __syncthreads();  // every part is in shared memory; every warp has read z
+    __syncthreads();  // every part is in shared memory
 
     // 4. dq of the chunk: the parts summed, to this column block's [B, T, H, Dv/64, 16] slice.
     //    Thread i takes row tile i / 64, lane (i / 2) % 32, the half i % 2 of its fragment.
@@ -247,6 +226,7 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_const
       rt<T, 16, FEATURE_DIM, layout::col> kc, v_col;
       load(kc, s.k[stage], 16 * kt, 0);
       load(v_col, s.v[stage], 16 * kt, c0);
+      if (ones_column) z.add(kc.tiles[0][0], min(16, max(0, real_tokens - 16 * kt)));
       rt_base<T, layout::col> kc32;
 #pragma unroll
       for (int r = 0; r < 4; r++) kc32.data[r] = __hmul2(kc.tiles[0][0].data[r], pack<T>(1.f / 32, 1.f / 32));
@@ -257,7 +237,6 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_const
         detail::mma_base(state[own], reinterpret_cast<const rt_base<T, layout::row>&>(phi_t), v_col.tiles[0][0]);
       }
     }
-    if (ones_column && warp == STATE_WARPS - 1) accumulate_feature_sums(s.z, s.k[stage], nullptr, real_tokens);
   }
 }
 

@@ -192,22 +192,29 @@ __device__ __forceinline__ rt_base<T, layout::col> phi_k_tile(const rt_base<T, l
 // The normaliser's state z = sum_j phi(k_j) in registers, in the three pieces the feature map
 // makes of it: the Gram matrix M = sum_j k_j k_j^T (z's second order is c2 M, c2 = 1/(4 sqrt 2)),
 // the key sum u = sum_j k_j (first order u / 2) and the token count n (constant feature). Every
-// warp keeps its own copy (17 registers) and updates it with two mma per 16 tokens, exactly
+// warp keeps its own copy (13 registers) and updates it with two mma per 16 tokens, exactly
 // (products of 16-bit values are exact in fp32, as are the sums of small integers), so that
 //   phi(q) . z = q^T M q / 32 + q . u / 4 + n        (c2^2 = 1/32)
 // costs one mma per 16 rows: Q M / 32, then a row-wise dot with q.
 struct vector_state {
   rt_base<float, layout::row> gram;    // M [a, b] as an accumulator (row a, column b)
-  rt_base<float, layout::row> keysum;  // u [b] in every row (an accumulator of ones^T K)
+  float2 keysum[2];                    // u [b] of this lane's columns b = 2c, 2c + 1 and 2c + 8, 2c + 9
   float count;
 
-  // From z0 [273] (external order) of this head.
-  __device__ __forceinline__ void load(const float* z0) {
+  // From z0 [273] (external order) of this head; with `symmetrise`, M becomes (M + M^T) / 2
+  // (for callers that only see q^T M q, whose gradient then is M q / 16).
+  __device__ __forceinline__ void load(const float* z0, bool symmetrise = false) {
 #pragma unroll
     for (int r = 0; r < 4; r++) {
       const int a = fragment_row(r), b0 = fragment_col(r, 0);
-      gram.data[r] = make_float2(z0[17 + 16 * a + b0] / SECOND_ORDER_SCALE, z0[17 + 16 * a + b0 + 1] / SECOND_ORDER_SCALE);
-      keysum.data[r] = make_float2(z0[1 + b0] / FIRST_ORDER_SCALE, z0[1 + b0 + 1] / FIRST_ORDER_SCALE);
+      float m[2];
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        m[j] = z0[17 + 16 * a + b0 + j];
+        if (symmetrise) m[j] = 0.5f * (m[j] + z0[17 + 16 * (b0 + j) + a]);
+      }
+      gram.data[r] = make_float2(m[0] / SECOND_ORDER_SCALE, m[1] / SECOND_ORDER_SCALE);
+      if (r % 2 == 0) keysum[r / 2] = make_float2(z0[1 + b0] / FIRST_ORDER_SCALE, z0[1 + b0 + 1] / FIRST_ORDER_SCALE);
     }
     count = z0[0];
   }
@@ -221,32 +228,73 @@ struct vector_state {
     rt_base<T, layout::row> ones;
 #pragma unroll
     for (int r = 0; r < 4; r++) ones.data[r] = pack<T>(1.f, 1.f);
-    detail::mma_base(keysum, ones, kc);
+    add_keysum(ones, kc);
     count += float(tokens);
   }
 
-  // Part `part` (0 or 1) of phi(q) . z for the 16 rows of q (row-layout fragment): .x for row
-  // g, .y for row g + 8, in every lane of the quad. M goes to the tensor cores as bf16 high
-  // (part 0, with u and n) and low (part 1) parts, so that the sum of both parts is as exact
-  // as M itself.
+  // u += W X for a row-layout W [16 x 16 tokens] whose rows are all alike (ones or weights):
+  // every row of the product is the same sum, of which this lane keeps row g.
   template <typename T>
-  __device__ __forceinline__ float2 normaliser_part(const rt_base<T, layout::row>& q, int part) const {
-    rt_base<bf16, layout::col> m;  // the accumulator of M rounded: M^T as a B operand (q^T M^T q = q^T M q)
+  __device__ __forceinline__ void add_keysum(const rt_base<T, layout::row>& w, const rt_base<T, layout::col>& xc) {
+    rt_base<float, layout::row> sums;
+#pragma unroll
+    for (int r = 0; r < 4; r++) sums.data[r] = make_float2(0.f, 0.f);
+    detail::mma_base(sums, w, xc);
+#pragma unroll
+    for (int h = 0; h < 2; h++) keysum[h].x += sums.data[2 * h].x, keysum[h].y += sums.data[2 * h].y;
+  }
+
+  // Add 16 tokens x_t with weights w_t: M += X^T diag(w) X, u += X^T w, n += sum w (padded
+  // tokens have w = 0). w of this lane's tokens 2c, 2c + 1 (lo) and 2c + 8, 2c + 9 (hi); the
+  // products x w are rounded to the input type on their way to the tensor cores.
+  template <typename T>
+  __device__ __forceinline__ void add_weighted(const rt_base<T, layout::col>& xc, float2 w_lo, float2 w_hi) {
+    rt_base<T, layout::row> xw, w;  // X^T diag(w) and 1 diag(w) (rows: features; columns: tokens)
+    const auto& xt = reinterpret_cast<const rt_base<T, layout::row>&>(xc);
 #pragma unroll
     for (int r = 0; r < 4; r++) {
-      const float x = gram.data[r].x * (1.f / 32), y = gram.data[r].y * (1.f / 32);
+      const float2 f = r < 2 ? w_lo : w_hi, x = unpack(xt.data[r]);
+      xw.data[r] = pack<T>(x.x * f.x, x.y * f.y);
+      w.data[r] = pack<T>(f.x, f.y);
+    }
+    detail::mma_base(gram, xw, xc);
+    add_keysum(w, xc);
+    float total = w_lo.x + w_lo.y + w_hi.x + w_hi.y;
+    total += __shfl_xor_sync(0xffffffff, total, 1);
+    total += __shfl_xor_sync(0xffffffff, total, 2);
+    count += total;
+  }
+
+  // Q M^T scale + (u / 4 in every row when part = 0) for the 16 rows of q (row-layout
+  // fragment), M on its way to the tensor cores as bf16 high (part 0) or low (part 1) parts,
+  // so that the two parts add up to as exact a product as M itself.
+  template <typename T>
+  __device__ __forceinline__ rt_base<float, layout::row> times_gram(const rt_base<T, layout::row>& q, float scale,
+                                                                    int part) const {
+    rt_base<bf16, layout::col> m;  // the accumulator of M rounded: M^T as a B operand
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const float x = gram.data[r].x * scale, y = gram.data[r].y * scale;
       const auto hi = pack<bf16>(x, y);
       const float2 h = unpack(hi);
       m.data[r] = part == 0 ? hi : pack<bf16>(x - h.x, y - h.y);
     }
-    rt_base<float, layout::row> qm;  // Q M^T / 32, plus u / 4 in every row for part 0
+    rt_base<float, layout::row> out;
 #pragma unroll
     for (int r = 0; r < 4; r++) {
-      const float2 u = keysum.data[r & 2];
-      qm.data[r] = part == 0 ? make_float2(u.x * 0.25f, u.y * 0.25f) : make_float2(0.f, 0.f);
+      const float2 u = keysum[r / 2];
+      out.data[r] = part == 0 ? make_float2(u.x * 0.25f, u.y * 0.25f) : make_float2(0.f, 0.f);
     }
-    detail::mma_base(qm, to_bf16(q), m);
-    float sum[2] = {0.f, 0.f};  // rows g, g + 8
+    detail::mma_base(out, to_bf16(q), m);
+    return out;
+  }
+
+  // Part `part` (0 or 1) of phi(q) . z for the 16 rows of q: .x for row g, .y for row g + 8,
+  // in every lane of the quad; the two parts add up to phi(q) . z.
+  template <typename T>
+  __device__ __forceinline__ float2 normaliser_part(const rt_base<T, layout::row>& q, int part) const {
+    const auto qm = times_gram(q, 1.f / 32, part);  // q^T M^T q = q^T M q
+    float sum[2] = {0.f, 0.f};                      // rows g, g + 8
 #pragma unroll
     for (int r = 0; r < 4; r++) {
       const float2 x = unpack(q.data[r]);
@@ -261,16 +309,29 @@ struct vector_state {
     return make_float2(sum[0], sum[1]);
   }
 
-  // To z [273] (external order) of this head, by one warp.
-  __device__ __forceinline__ void store(float* z) const {
+  // Part `part` of the gradient of phi(q) . z by q, M q / 16 + u / 4, for the 16 rows of q
+  // (row t, feature b): M must be symmetric (load with `symmetrise`; sums of k k^T are).
+  template <typename T>
+  __device__ __forceinline__ rt_base<float, layout::row> gradient_part(const rt_base<T, layout::row>& q, int part) const {
+    return times_gram(q, 1.f / 16, part);
+  }
+
+  // To z [273] (external order) of this head, by one warp. `antisymmetric` (optional, a
+  // [273] vector): add back the antisymmetric part of its second order that `symmetrise` dropped.
+  __device__ __forceinline__ void store(float* z, const float* antisymmetric = nullptr) const {
 #pragma unroll
     for (int r = 0; r < 4; r++) {
       const int a = fragment_row(r), b0 = fragment_col(r, 0);
-      z[17 + 16 * a + b0] = gram.data[r].x * SECOND_ORDER_SCALE;
-      z[17 + 16 * a + b0 + 1] = gram.data[r].y * SECOND_ORDER_SCALE;
-      if (a == 0) {
-        z[1 + b0] = keysum.data[r].x * FIRST_ORDER_SCALE;
-        z[1 + b0 + 1] = keysum.data[r].y * FIRST_ORDER_SCALE;
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        const int b = b0 + j;
+        float m = (j ? gram.data[r].y : gram.data[r].x) * SECOND_ORDER_SCALE;
+        if (antisymmetric) m += 0.5f * (antisymmetric[17 + 16 * a + b] - antisymmetric[17 + 16 * b + a]);
+        z[17 + 16 * a + b] = m;
+      }
+      if (a == 0) {  // lanes 0-3, r = 0 and 2
+        z[1 + b0] = keysum[r / 2].x * FIRST_ORDER_SCALE;
+        z[1 + b0 + 1] = keysum[r / 2].y * FIRST_ORDER_SCALE;
       }
     }
     if (laneid() == 0) z[0] = count;
