@@ -36,13 +36,6 @@ __device__ __forceinline__ int external_feature(int own, int fh, int b) {
   return own < 8 ? 17 + 16 * (8 * fh + own) + b : fh == 0 ? 1 + b : (b == 0 ? 0 : -1);
 }
 
-// The normaliser's state column z [288] (internal feature order, padding zero) from a
-// [batch, heads, 273] global one, by all threads of the block.
-__device__ __forceinline__ void read_vector_state(float* z, const float* global_z, int64_t head) {
-  for (int f = threadIdx.x; f < PADDED_FEATURES; f += STATE_THREADS)
-    z[f < NUM_FEATURES ? internal_feature(f) : f] = f < NUM_FEATURES ? global_z[head * NUM_FEATURES + f] : 0.f;
-}
-
 // The 4 row tiles of a chunk in the order a warp of feature half fh treats them: first the two
 // it completes (the intra-chunk term costs in proportion to a tile's index, so each half takes
 // one early and one late tile: fh = 0 tiles 0 and 3, fh = 1 tiles 1 and 2), then the other two.
