@@ -1,5 +1,5 @@
-// The register-resident Based state shared by the forward and the dq kernel, and the operand
-// builders around it.
+// The register-resident Based state shared by the forward, dq and dk/dv kernels, the
+// normaliser's state (vector_state), and the operand builders around them.
 //
 // A block of 8 warps walks one (batch, head) for 64 value columns; warp w = (column group
 // cg = w % 4, feature half fh = w / 4) owns columns [16 cg, 16 cg + 16) of 9 of the 18 feature
