@@ -130,6 +130,8 @@ def _tk_variant_contender(variant: str) -> Contender:
             raise Skipped("forward-only contender")
         if (why := _backend.kernel_unavailable_reason()) is not None:
             raise Unsupported(why)
+        if variant == "mma_sync" and config.d > 128:
+            raise Unsupported(f"the mma_sync variant supports head dim 64 and 128, got {config.d}")
         scale = 1.0 / math.sqrt(config.d)
 
         def attend(q, k, v):

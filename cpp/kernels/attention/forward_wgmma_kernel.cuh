@@ -25,7 +25,9 @@ struct wgmma_forward_config {
   static constexpr int CONSUMERS = 2;
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   static constexpr int Q_ROWS = 64 * CONSUMERS;
-  static constexpr int KV_ROWS = 128;
+  // Key tiles of 128 rows; 64 at D = 256, where the output takes 128 registers a thread and
+  // two stages of 128-row K and V tiles would not fit in shared memory.
+  static constexpr int KV_ROWS = D <= 128 ? 128 : 64;
   static constexpr int STAGES = D <= 64 ? 3 : 2;
   static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 };
