@@ -110,8 +110,9 @@ def attention_bwd_impl(q, k, v, o, lse, do, *, scale, window_left, window_right,
     cotangent `dlse` [B, Hq, Tq] of lse (None: lse is not differentiated, which is cheaper).
 
     The one dispatch point for the backward; backend="kernel" runs the backward kernel under
-    the partitioning rule (not with local=True, as in attention_fwd_impl). o and lse are used as
-    given (ring attention passes the global ones).
+    the partitioning rule (not with local=True, as in attention_fwd_impl), or the blockwise
+    reference where only the forward has a kernel (head_dim 256). o and lse are used as given
+    (ring attention passes the global ones).
     """
     _check_resolved(backend)
     window = dict(scale=scale, window_left=window_left, window_right=window_right)
