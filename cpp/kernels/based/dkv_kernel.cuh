@@ -100,23 +100,8 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_cons
   // R from dS, the second order symmetrised, in the scale the tiles keep.
   rt_base<float, layout::row> state[OWN_TILES];
   const float* d_state = p.d_state + head * NUM_FEATURES * p.value_dim + v0 + c0;
-#pragma unroll
-  for (int i = 0; i < OWN_TILES; i++) {
-    const float unscale = 1.f / external_scale(i, fh);
-#pragma unroll
-    for (int r = 0; r < 4; r++) {  // element (feature fragment_row(r), column fragment_col(r, j))
-      float pair[2];
-#pragma unroll
-      for (int j = 0; j < 2; j++) {
-        const int f = fragment_row(r), c = fragment_col(r, j);
-        const int ext = external_feature(i, fh, f);
-        float x = ext < 0 ? 0.f : d_state[int64_t(ext) * p.value_dim + c];
-        if (i < 8) x = 0.5f * (x + d_state[int64_t(17 + 16 * f + 8 * fh + i) * p.value_dim + c]);  // dS[ba]
-        pair[j] = x * unscale;
-      }
-      state[i].data[r] = make_float2(pair[0], pair[1]);
-    }
-  }
+  load_symmetrised_state(state, d_state, p, fh);
+
   // The column of ones of R' (used by ones_column blocks): r = dz + sum_{t >= j} phi(q_t) dden_t
   // as a vector_state (a copy per warp), its second order symmetrised like dS.
   vector_state r;
@@ -281,25 +266,7 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_cons
     }
 
     // 5. dk of the chunk: the parts summed, to this column block's slice of dk_parts.
-    {
-      const int m = threadIdx.x / 64, l = (threadIdx.x / 2) % 32, half = threadIdx.x % 2;
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-      const auto add = [&](const float4& x) { sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w; };
-#pragma unroll
-      for (int w = 0; w < STATE_WARPS; w++) add(s.parts[w][m][l][half]);
-      if (ones_column) {
-        add(s.vector_parts[0][m][l][half]);
-        add(s.vector_parts[1][m][l][half]);
-      }
-      const int g = l >> 2, col = 2 * (l & 3) + 8 * half;
-#pragma unroll
-      for (int hh = 0; hh < 2; hh++) {
-        const int t = t0 + 16 * m + g + 8 * hh;
-        if (t < p.seq)
-          *reinterpret_cast<float2*>(p.dk_parts + grad_part_index(p, b, t, h, v_block) + col) =
-              hh ? make_float2(sum.z, sum.w) : make_float2(sum.x, sum.y);
-      }
-    }
+    store_summed_parts(p.dk_parts, s.parts, s.vector_parts, ones_column, p, b, h, v_block, t0);
 
     // 6. R += Phi(Q)^T dnum_C, 16 queries at a time (bf16: dnum is far below fp16's range).
 #pragma unroll 1

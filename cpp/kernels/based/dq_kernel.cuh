@@ -68,24 +68,7 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_const
 
   // The state tiles from S0, symmetrised, in the scale the tiles keep (see register_state.cuh).
   rt_base<float, layout::row> state[OWN_TILES];
-  const float* state0 = p.state0 + head * NUM_FEATURES * p.value_dim + v0 + c0;
-#pragma unroll
-  for (int i = 0; i < OWN_TILES; i++) {
-    const float unscale = 1.f / external_scale(i, fh);
-#pragma unroll
-    for (int r = 0; r < 4; r++) {  // element (feature fragment_row(r), column fragment_col(r, j))
-      float pair[2];
-#pragma unroll
-      for (int j = 0; j < 2; j++) {
-        const int f = fragment_row(r), c = fragment_col(r, j);
-        const int ext = external_feature(i, fh, f);
-        float x = ext < 0 ? 0.f : state0[int64_t(ext) * p.value_dim + c];
-        if (i < 8) x = 0.5f * (x + state0[int64_t(17 + 16 * f + 8 * fh + i) * p.value_dim + c]);  // S0[ba]
-        pair[j] = x * unscale;
-      }
-      state[i].data[r] = make_float2(pair[0], pair[1]);
-    }
-  }
+  load_symmetrised_state(state, p.state0 + head * NUM_FEATURES * p.value_dim + v0 + c0, p, fh);
   vector_state z;  // the normaliser's state column, symmetrised like S0 (used by ones_column blocks)
   if (ones_column) z.load(p.z0 + head * NUM_FEATURES, true);
 
@@ -198,27 +181,7 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_const
     __syncthreads();  // every part is in shared memory
 
     // 4. dq of the chunk: the parts summed, to this column block's [B, T, H, Dv/64, 16] slice.
-    //    Thread i takes row tile i / 64, lane (i / 2) % 32, the half i % 2 of its fragment.
-    {
-      const int m = threadIdx.x / 64, l = (threadIdx.x / 2) % 32, half = threadIdx.x % 2;
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-      const auto add = [&](const float4& x) { sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w; };
-#pragma unroll
-      for (int w = 0; w < STATE_WARPS; w++) add(s.parts[w][m][l][half]);
-      if (ones_column) {
-        add(s.normaliser_parts[0][m][l][half]);
-        add(s.normaliser_parts[1][m][l][half]);
-      }
-      // (x, y) at row g, (z, w) at row g + 8, columns 2c + 8 half + {0, 1}.
-      const int g = l >> 2, col = 2 * (l & 3) + 8 * half;
-#pragma unroll
-      for (int hh = 0; hh < 2; hh++) {
-        const int t = t0 + 16 * m + g + 8 * hh;
-        if (t < p.seq)
-          *reinterpret_cast<float2*>(p.dq_parts + grad_part_index(p, b, t, h, v_block) + col) =
-              hh ? make_float2(sum.z, sum.w) : make_float2(sum.x, sum.y);
-      }
-    }
+    store_summed_parts(p.dq_parts, s.parts, s.normaliser_parts, ones_column, p, b, h, v_block, t0);
 
     // 5. Fold the chunk into the state: S_f += Phi_f(K)^T V_C, 16 tokens at a time.
 #pragma unroll 1

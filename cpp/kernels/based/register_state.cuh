@@ -36,6 +36,31 @@ __device__ __forceinline__ int external_feature(int own, int fh, int b) {
   return own < 8 ? 17 + 16 * (8 * fh + own) + b : fh == 0 ? 1 + b : (b == 0 ? 0 : -1);
 }
 
+// The backward's state tiles (not transposed: feature x column) from a [273, p.value_dim] state
+// in the external order, `src` at this warp's first column, with the second order symmetrised
+// (the state is only ever seen through phi(x), for which feature (a, b) is (b, a)), in the
+// scale the tiles keep.
+__device__ __forceinline__ void load_symmetrised_state(rt_base<float, layout::row> (&state)[OWN_TILES],
+                                                       const float* src, const BackwardParams& p, int fh) {
+#pragma unroll
+  for (int i = 0; i < OWN_TILES; i++) {
+    const float unscale = 1.f / external_scale(i, fh);
+#pragma unroll
+    for (int r = 0; r < 4; r++) {  // element (feature fragment_row(r), column fragment_col(r, j))
+      float pair[2];
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        const int f = fragment_row(r), c = fragment_col(r, j);
+        const int ext = external_feature(i, fh, f);
+        float x = ext < 0 ? 0.f : src[int64_t(ext) * p.value_dim + c];
+        if (i < 8) x = 0.5f * (x + src[int64_t(17 + 16 * f + 8 * fh + i) * p.value_dim + c]);  // [ba]
+        pair[j] = x * unscale;
+      }
+      state[i].data[r] = make_float2(pair[0], pair[1]);
+    }
+  }
+}
+
 // The 4 row tiles of a chunk in the order a warp of feature half fh treats them: first the two
 // it completes (the intra-chunk term costs in proportion to a tile's index, so each half takes
 // one early and one late tile: fh = 0 tiles 0 and 3, fh = 1 tiles 1 and 2), then the other two.
@@ -60,6 +85,34 @@ __device__ __forceinline__ void put_fragment(float4 (&slot)[WARP_THREADS][2], co
   for (int half = 0; half < 2; half++)
     slot[laneid()][half] = make_float4(x.data[2 * half].x, x.data[2 * half].y, x.data[2 * half + 1].x,
                                        x.data[2 * half + 1].y);
+}
+
+// A backward chunk's gradient rows (dq or dk: 64 rows x 16 features) summed from the 8 warps'
+// parts and, for the block with the column of ones, the two normaliser parts (all in fragment
+// order), to this column block's slice of `out` [B, T, H, Dv / 64, 16]. Thread i takes row tile
+// i / 64, lane (i / 2) % 32, the half i % 2 of its fragment.
+__device__ __forceinline__ void store_summed_parts(float* out, const float4 (&parts)[STATE_WARPS][ROW_TILES][WARP_THREADS][2],
+                                                   const float4 (&vector_parts)[2][ROW_TILES][WARP_THREADS][2],
+                                                   bool with_vector_parts, const BackwardParams& p, int b, int h,
+                                                   int v_block, int t0) {
+  const int m = threadIdx.x / 64, l = (threadIdx.x / 2) % 32, half = threadIdx.x % 2;
+  float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+  const auto add = [&](const float4& x) { sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w; };
+#pragma unroll
+  for (int w = 0; w < STATE_WARPS; w++) add(parts[w][m][l][half]);
+  if (with_vector_parts) {
+    add(vector_parts[0][m][l][half]);
+    add(vector_parts[1][m][l][half]);
+  }
+  // (x, y) at row g, (z, w) at row g + 8, columns 2c + 8 half + {0, 1}.
+  const int g = l >> 2, col = 2 * (l & 3) + 8 * half;
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++) {
+    const int t = t0 + 16 * m + g + 8 * hh;
+    if (t < p.seq)
+      *reinterpret_cast<float2*>(out + grad_part_index(p, b, t, h, v_block) + col) =
+          hh ? make_float2(sum.z, sum.w) : make_float2(sum.x, sum.y);
+  }
 }
 
 // A packed 16-bit pair as the 32 bits a shuffle moves, and back.
