@@ -45,9 +45,11 @@ def test_mma_ab_and_abt(kernels, rng, dtype, target):
 
 def test_maps_reductions_broadcasts_masks(kernels, rng):
     x = (3 * rng.standard_normal((64, 64))).astype(jnp.bfloat16)
-    outs = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 2 + [jax.ShapeDtypeStruct((64,), jnp.float32)] * 2
-    softmax, masked, row_max, row_sum = _call("tk_test_rowops", outs, jnp.asarray(x))
+    col = rng.standard_normal(64).astype(np.float32)
+    outs = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 3 + [jax.ShapeDtypeStruct((64,), jnp.float32)] * 2
+    softmax, masked, col_mapped, row_max, row_sum = _call("tk_test_rowops", outs, jnp.asarray(x), jnp.asarray(col))
     x64 = x.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(col_mapped), x64 * col - col, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(row_max), x64.max(1), rtol=0, atol=0)
     np.testing.assert_allclose(np.asarray(row_sum), x64.sum(1), rtol=1e-5, atol=1e-4)
     p = np.exp2(x64 - x64.max(1, keepdims=True))

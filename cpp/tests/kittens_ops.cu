@@ -99,9 +99,9 @@ ffi::Error Mma(cudaStream_t s, ffi::Buffer<DT> a, ffi::Buffer<DT> b, ffi::Buffer
   return launched("tk_test_mma");
 }
 
-// ---- maps, row reductions, row broadcasts, masks on a 64x64 fp32 register tile ----
-__global__ void rowops_kernel(gl<bf16> x, gl<float> softmax, gl<float> masked, float* row_max_out,
-                              float* row_sum_out) {
+// ---- maps, row reductions, row and column broadcasts, masks on a 64x64 fp32 register tile ----
+__global__ void rowops_kernel(gl<bf16> x, const float* col, gl<float> softmax, gl<float> masked,
+                              gl<float> col_mapped, float* row_max_out, float* row_sum_out) {
   __shared__ st<bf16, ROWS, 64> sx;
   load_async<128>(sx, x, {0, 0, 0});
   cp_async_commit();
@@ -127,19 +127,27 @@ __global__ void rowops_kernel(gl<bf16> x, gl<float> softmax, gl<float> masked, f
   row_sum(denom, p);
   div_row(p, denom);
   store(softmax, p, {0, 0, row0});
+  col_vec<64> c;  // column broadcast: x * c[j] - c[j]
+  load(c, col);
+  rt_fl<16, 64> by_col = t;
+  map_cols(by_col, c, [](float x, float cj) { return x * cj - cj; });
+  store(col_mapped, by_col, {0, 0, row0});
   mask(t, row0, 0, [](int i, int j) { return j <= i; }, -1e30f);  // causal
   mul(t, 2.f);
   store(masked, t, {0, 0, row0});
 }
 
-ffi::Error RowOps(cudaStream_t s, ffi::Buffer<ffi::BF16> x, ffi::Result<ffi::Buffer<ffi::F32>> softmax,
-                  ffi::Result<ffi::Buffer<ffi::F32>> masked, ffi::Result<ffi::Buffer<ffi::F32>> row_max_out,
+ffi::Error RowOps(cudaStream_t s, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> col,
+                  ffi::Result<ffi::Buffer<ffi::F32>> softmax, ffi::Result<ffi::Buffer<ffi::F32>> masked,
+                  ffi::Result<ffi::Buffer<ffi::F32>> col_mapped, ffi::Result<ffi::Buffer<ffi::F32>> row_max_out,
                   ffi::Result<ffi::Buffer<ffi::F32>> row_sum_out) {
   if (x.element_count() != ROWS * 64) return ffi::Error::InvalidArgument("x must be [64, 64]");
+  if (col.element_count() != 64) return ffi::Error::InvalidArgument("col must be [64]");
   rowops_kernel<<<1, 128, 0, s>>>(
-      gl<bf16>::contiguous(reinterpret_cast<bf16*>(x.typed_data()), 1, ROWS, 1, 64),
+      gl<bf16>::contiguous(reinterpret_cast<bf16*>(x.typed_data()), 1, ROWS, 1, 64), col.typed_data(),
       gl<float>::contiguous(softmax->typed_data(), 1, ROWS, 1, 64),
-      gl<float>::contiguous(masked->typed_data(), 1, ROWS, 1, 64), row_max_out->typed_data(),
+      gl<float>::contiguous(masked->typed_data(), 1, ROWS, 1, 64),
+      gl<float>::contiguous(col_mapped->typed_data(), 1, ROWS, 1, 64), row_max_out->typed_data(),
       row_sum_out->typed_data());
   return launched("tk_test_rowops");
 }
@@ -168,6 +176,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_rowops, RowOps,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

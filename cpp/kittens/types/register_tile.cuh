@@ -60,6 +60,15 @@ struct row_vec {
   float data[height][2];
 };
 
+// One float per column of a row-layout tile of `Cols` columns: a lane keeps the columns it
+// touches, 2c, 2c+1 (data[j][0]) and 2c+8, 2c+9 (data[j][1]) of each 16-column block j (the
+// eight lanes sharing c hold the same values).
+template <int Cols>
+struct col_vec {
+  static constexpr int cols = Cols, width = Cols / TILE_DIM;
+  float2 data[width][2];
+};
+
 // Where element `half_idx` (0/1) of packed register `reg` (0..3) of a row-layout base tile sits.
 __device__ __forceinline__ int fragment_row(int reg) { return (laneid() >> 2) + 8 * (reg & 1); }
 __device__ __forceinline__ int fragment_col(int reg, int half_idx) {

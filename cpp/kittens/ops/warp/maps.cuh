@@ -146,24 +146,21 @@ __device__ __forceinline__ void div_row(rt_fl<R, C>& t, const row_vec<R>& v) {
   map_rows(t, v, [](float x, float r) { return x / r; });
 }
 
-// Column broadcasts from a vector in shared (or global) memory: t[r][c] = f(t[r][c], v[col0 + c]).
+// Column broadcasts: t[r][c] = f(t[r][c], v[c]).
 template <int R, int C, typename F>
-__device__ __forceinline__ void map_cols(rt_fl<R, C>& t, const float* v, F&& f) {
+__device__ __forceinline__ void map_cols(rt_fl<R, C>& t, const col_vec<C>& v, F&& f) {
 #pragma unroll
   for (int j = 0; j < t.width; j++)
 #pragma unroll
-    for (int half_cols = 0; half_cols < 2; half_cols++) {  // columns 2c, 2c+1 then 2c+8, 2c+9
-      const int col = 16 * j + fragment_col(2 * half_cols, 0);
-      const float v0 = v[col], v1 = v[col + 1];
+    for (int half_cols = 0; half_cols < 2; half_cols++)  // columns 2c, 2c+1 then 2c+8, 2c+9
 #pragma unroll
       for (int i = 0; i < t.height; i++)
 #pragma unroll
         for (int r = 0; r < 2; r++) {
           float2& p = t.tiles[i][j].data[2 * half_cols + r];
-          p.x = f(p.x, v0);
-          p.y = f(p.y, v1);
+          p.x = f(p.x, v.data[j][half_cols].x);
+          p.y = f(p.y, v.data[j][half_cols].y);
         }
-    }
 }
 
 // Row-vector maps: v[r] = f(v[r]) or f(a[r], b[r]).

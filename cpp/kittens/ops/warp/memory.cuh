@@ -62,6 +62,15 @@ __device__ __forceinline__ void load(rt<T, R, C, layout::col>& dst, const st<T, 
     }
 }
 
+// A lane's columns of the vector v[0 .. Cols) (shared or global memory, 8-byte aligned).
+template <int Cols>
+__device__ __forceinline__ void load(col_vec<Cols>& dst, const float* v) {
+#pragma unroll
+  for (int j = 0; j < dst.width; j++)
+#pragma unroll
+    for (int h = 0; h < 2; h++) dst.data[j][h] = *reinterpret_cast<const float2*>(v + 16 * j + fragment_col(2 * h, 0));
+}
+
 // Register tile (row layout, any element type) into a shared tile of 16-bit values.
 template <typename T, typename U, int R, int C, int SR, int SC>
 __device__ __forceinline__ void store(st<T, SR, SC>& dst, const rt<U, R, C, layout::row>& src, int row0 = 0,

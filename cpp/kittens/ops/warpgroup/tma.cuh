@@ -52,12 +52,4 @@ __device__ __forceinline__ void load_async(void* dst, const CUtensorMap& map, ba
       : "memory");
 }
 
-// Copy `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared.
-__device__ __forceinline__ void load_bytes_async(void* dst, const void* src, uint32_t bytes, barrier& b) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   shared_addr(dst)),
-               "l"(src), "r"(bytes), "r"(shared_addr(&b))
-               : "memory");
-}
-
 }  // namespace kittens::tma
