@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ATTENTION_HEAD_DIMS = (64, 128, 256)       # the forward kernel
-ATTENTION_BACKWARD_HEAD_DIMS = (64, 128)   # the backward kernel; 256 takes the blockwise reference
+ATTENTION_BACKWARD_HEAD_DIMS = (64, 128, 256)  # the backward kernels
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 
 

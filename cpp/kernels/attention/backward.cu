@@ -3,6 +3,7 @@
 
 #include "attention.h"
 #include "backward_kernel.cuh"
+#include "backward_split_kernel.cuh"
 
 namespace tk::attention {
 
@@ -12,7 +13,7 @@ const char* backward_unsupported(const BackwardParams& p) {
   if (p.batch < 1 || p.seq_q < 1 || p.seq_k < 1 || p.heads_q < 1 || p.heads_kv < 1)
     return "batch, sequence lengths and head counts must be >= 1";
   if (p.heads_q % p.heads_kv != 0) return "heads_q must be a multiple of heads_kv";
-  if (p.head_dim != 64 && p.head_dim != 128) return "head_dim must be 64 or 128";
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return "head_dim must be 64, 128 or 256";
   if (p.seq_q_padded != (p.seq_q + BACKWARD_Q_TILE - 1) / BACKWARD_Q_TILE * BACKWARD_Q_TILE)
     return "seq_q_padded must be seq_q rounded up to a multiple of 64";
   if (!(std::isfinite(p.scale) && p.scale > 0.f)) return "scale must be finite and > 0";
@@ -26,6 +27,7 @@ static cudaError_t backward_typed(const BackwardParams& p, cudaStream_t stream) 
   switch (p.head_dim) {
     case 64: return launch_backward<T, 64>(p, stream);
     case 128: return launch_backward<T, 128>(p, stream);
+    case 256: return launch_split_backward<T, 256>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

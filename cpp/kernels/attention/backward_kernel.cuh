@@ -8,12 +8,14 @@
 //   dS^T = scale * P^T o (dP^T - delta)                                    (delta per column)
 //   dK  += dS^T Q                      dQ  += dS K   (dS^T of all 128 keys staged in shared
 //                                                    memory; one fp32 atomic add per element)
-// The producer warpgroup streams Q, dO, lse and delta tiles through a ring of stages.
+// The producer warpgroup streams Q and dO tiles through a ring of stages; each lane reads the
+// lse and delta values of its own columns from global memory, each load issued before a wgmma
+// whose wait hides its latency.
 #pragma once
 
 #include "../../kittens/kittens.cuh"
 #include "attention.h"
-#include "softmax_band.cuh"
+#include "backward_walk.cuh"
 
 namespace tk::attention {
 
@@ -33,42 +35,29 @@ template <typename T, int D>
 struct backward_shared {
   using config = backward_config<D>;
   st<T, 64, D> k[config::CONSUMERS], v[config::CONSUMERS];
-  st<T, config::Q_ROWS, D> q[config::STAGES], dout[config::STAGES];
+  query_stages<T, D, config::STAGES> stages;
   st<T, 64, config::Q_ROWS> ds[2][config::CONSUMERS];  // dS^T per step parity and consumer: keys x queries
-  alignas(16) float lse[config::STAGES][config::Q_ROWS];
-  alignas(16) float delta[config::STAGES][config::Q_ROWS];
-  tma::barrier kv_full, q_full[config::STAGES], q_empty[config::STAGES];
-};
-
-struct BackwardArgs {
-  CUtensorMap q, k, v, dout;  // boxes of 64 rows
-  BackwardParams p;
+  tma::barrier kv_full;
 };
 
 template <typename T, int D>
 __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     backward_kernel(const __grid_constant__ BackwardArgs args) {
   using config = backward_config<D>;
-  constexpr int QT = config::Q_ROWS, STAGES = config::STAGES;
+  constexpr int QT = config::Q_ROWS;
   const BackwardParams& p = args.p;
   extern __shared__ char smem_raw[];
   auto& s = aligned_shared<backward_shared<T, D>>(smem_raw);
 
   const int kv_h = blockIdx.y, b = blockIdx.z;
   const int k0 = blockIdx.x * config::KV_ROWS;
-  const int group = p.heads_q / p.heads_kv;
   const band mask_band = band::of(p);
-  const key_range queries = mask_band.queries_of(k0, min(k0 + config::KV_ROWS, p.seq_k) - 1);
-  const int first_tile = queries.lo / QT;
-  const int tiles_per_head = queries.hi > queries.lo ? (queries.hi + QT - 1) / QT - first_tile : 0;
-  const int steps = tiles_per_head * group;
+  const query_walk walk = query_walk::of(p, mask_band, kv_h, k0, config::KV_ROWS);
+  const int steps = walk.steps;
 
   if (threadIdx.x == 0) {
     tma::init(s.kv_full, 1);
-    for (int i = 0; i < STAGES; i++) {
-      tma::init(s.q_full[i], 1);
-      tma::init(s.q_empty[i], config::CONSUMERS * 4);
-    }
+    s.stages.init(config::CONSUMERS * 4);
     tma::fence_barrier_init();
   }
   __syncthreads();
@@ -81,17 +70,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         tma::load_async(&s.k[c], args.k, s.kv_full, 0, k0 + 64 * c, 0, kv_h, b);
         tma::load_async(&s.v[c], args.v, s.kv_full, 0, k0 + 64 * c, 0, kv_h, b);
       }
-      for (int i = 0; i < steps; i++) {
-        const int stage = i % STAGES;
-        const int h = kv_h * group + i / tiles_per_head, q0 = (first_tile + i % tiles_per_head) * QT;
-        if (i >= STAGES) tma::wait(s.q_empty[stage], ((i / STAGES) - 1) & 1);
-        tma::expect_bytes(s.q_full[stage], sizeof(s.q[0]) + sizeof(s.dout[0]) + 2 * QT * sizeof(float));
-        tma::load_async(&s.q[stage], args.q, s.q_full[stage], 0, q0, 0, h, b);
-        tma::load_async(&s.dout[stage], args.dout, s.q_full[stage], 0, q0, 0, h, b);
-        const int64_t row = (int64_t(b) * p.heads_q + h) * p.seq_q_padded + q0;
-        tma::load_bytes_async(s.lse[stage], p.lse + row, QT * sizeof(float), s.q_full[stage]);
-        tma::load_bytes_async(s.delta[stage], p.delta + row, QT * sizeof(float), s.q_full[stage]);
-      }
+      s.stages.produce(walk, args.q, args.dout, b);
     }
   } else {  // ---------------- consumers ----------------
     warpgroup::increase_registers<config::CONSUMER_REGS>();
@@ -106,30 +85,33 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     if (steps > 0) tma::wait(s.kv_full, 0);
 
     for (int i = 0; i < steps; i++) {
-      const int stage = i % STAGES, phase = (i / STAGES) & 1;
-      const int h = kv_h * group + i / tiles_per_head, q0 = (first_tile + i % tiles_per_head) * QT;
-      tma::wait(s.q_full[stage], phase);
+      const int h = walk.head(i), q0 = walk.q0(i);
+      const int stage = s.stages.acquire(i);
+      const auto& q_tile = s.stages.q[stage];
+      const auto& dout_tile = s.stages.dout[stage];
 
-      // P^T from the recomputed scores; lse is +inf on rows that saw nothing, giving P = 0.
-      rt_fl<16, QT> probs;
-      warpgroup::mma_ABt(probs, s.k[consumer], s.q[stage], false);
-      warpgroup::wait<0>();
+      // S^T and dP^T = V dO^T issued together; P^T from the scores while dP^T is in flight.
+      // lse is +inf on rows that saw nothing, giving P = 0.
+      rt_fl<16, QT> probs, dprobs;
+      warpgroup::mma_ABt(probs, s.k[consumer], q_tile, false);
+      warpgroup::mma_ABt(dprobs, s.v[consumer], dout_tile, false);
+      col_vec<QT> lse, delta;
+      load(lse, p.lse + stats_offset(p, walk, b, i));
+      warpgroup::wait<1>();  // S^T is ready
       if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
         mask(probs, key0, q0, [&](int kj, int qi) { return mask_band.visible(qi, kj); });
-      map_cols(probs, s.lse[stage], [=](float x, float lse) { return fast_exp2(c * x - LOG2E * lse); });
+      map_cols(probs, lse, [=](float x, float lse) { return fast_exp2(c * x - LOG2E * lse); });
       rt<T, 16, QT> probs_16;
       copy(probs_16, probs);
+      warpgroup::mma_AB(dv, probs_16, dout_tile, true);  // dV += P^T dO
+      load(delta, p.delta + stats_offset(p, walk, b, i));
+      warpgroup::wait<1>();  // dP^T is ready (groups complete in order)
 
-      rt_fl<16, QT> dprobs;
-      warpgroup::mma_AB(dv, probs_16, s.dout[stage], true);        // dV += P^T dO
-      warpgroup::mma_ABt(dprobs, s.v[consumer], s.dout[stage], false);  // dP^T = V dO^T
-      warpgroup::wait<0>();
-
-      map_cols(dprobs, s.delta[stage], [=](float dp, float delta) { return (dp - delta) * p.scale; });
+      map_cols(dprobs, delta, [=](float dp, float delta) { return (dp - delta) * p.scale; });
       mul(dprobs, probs);  // dS^T (scaled)
       rt<T, 16, QT> ds_16;
       copy(ds_16, dprobs);
-      warpgroup::mma_AB(dk, ds_16, s.q[stage], true);  // dK += dS^T Q
+      warpgroup::mma_AB(dk, ds_16, q_tile, true);  // dK += dS^T Q
 
       // dQ += dS K over all 128 keys of the block, so each dQ element gets one atomic add per
       // block: both consumers publish dS^T, then each takes 64-column chunks of dQ in turn.
@@ -149,7 +131,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         atomic_add(dq_accum, dq, {b, h, q0 + 16 * warp}, 64 * chunk);
       }
       warpgroup::wait<0>();  // dK's product has read this stage's Q
-      if (laneid() == 0) tma::arrive(s.q_empty[stage]);
+      s.stages.release(i);
     }
 
     const auto dK = gl<T>::contiguous((T*)p.dk, p.batch, p.seq_k, p.heads_kv, D);
@@ -163,15 +145,7 @@ template <typename T, int D>
 cudaError_t launch_backward(const BackwardParams& p, cudaStream_t stream) {
   using config = backward_config<D>;
   BackwardArgs args{};
-  args.p = p;
-  const bool bf = std::is_same_v<T, bf16>;
-  if (!tma::make_bshd_map(&args.q, p.q, bf, p.batch, p.seq_q, p.heads_q, D, config::Q_ROWS) ||
-      !tma::make_bshd_map(&args.dout, p.dout, bf, p.batch, p.seq_q, p.heads_q, D, config::Q_ROWS) ||
-      !tma::make_bshd_map(&args.k, p.k, bf, p.batch, p.seq_k, p.heads_kv, D, 64) ||
-      !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, 64))
-    return cudaErrorInvalidValue;
-  const size_t dq_bytes = size_t(p.batch) * p.seq_q * p.heads_q * D * sizeof(float);
-  if (cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, dq_bytes, stream); err != cudaSuccess) return err;
+  if (cudaError_t err = prepare_backward<T, D>(args, p, 64, stream); err != cudaSuccess) return err;
   const int smem = int(sizeof(backward_shared<T, D>)) + 1024;
   const dim3 grid((p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS, p.heads_kv, p.batch);
   return launch_with_shared<backward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);

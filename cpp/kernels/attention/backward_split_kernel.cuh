@@ -1,0 +1,169 @@
+// Flash attention backward for head_dim 256 (TMA + wgmma + warp specialisation).
+//
+// At D = 256 one warpgroup cannot keep both dK and dV of its 64 keys in registers (2 x 128
+// floats a thread), so the two consumer warpgroups of a block share 64 keys and split the
+// step by role, each keeping one of the two gradients. Per query tile (64 rows), with
+// c = scale * log2(e):
+//   P warpgroup:   S^T = K Q^T      P^T = 2^(c S^T - log2(e) lse)         dV += P^T dO
+//   dS warpgroup:  dP^T = V dO^T    dS^T = scale * P^T o (dP^T - delta)   dK += dS^T Q
+//   both:          dQ += dS K, 128 of the 256 columns each (one fp32 atomic add per element)
+// P^T reaches the dS warpgroup through shared memory, warp w to warp w (the same 16 keys), and
+// dS^T reaches both for dQ the same way. Each product is 64 x 64 x 256 or 64 x 256 x 64, so the
+// two roles do equal work and no product is computed twice.
+#pragma once
+
+#include "../../kittens/kittens.cuh"
+#include "attention.h"
+#include "backward_walk.cuh"
+
+namespace tk::attention {
+
+using namespace kittens;
+
+template <int D>
+struct split_backward_config {
+  static constexpr int THREADS = 128 * 3;  // producer, P warpgroup, dS warpgroup
+  static constexpr int KV_ROWS = 64;
+  static constexpr int Q_ROWS = BACKWARD_Q_TILE;
+  static constexpr int STAGES = 2;
+  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+  static constexpr int CONSUMER_WARPS = 8;
+};
+
+template <typename T, int D>
+struct split_backward_shared {
+  using config = split_backward_config<D>;
+  st<T, config::KV_ROWS, D> k, v;
+  query_stages<T, D, config::STAGES> stages;
+  // P^T of the current step (keys x queries). One buffer is enough: the P warpgroup rewrites it
+  // only after the dS barrier of the step, which the dS warpgroup reaches after reading it.
+  st<T, config::KV_ROWS, config::Q_ROWS> probs;
+  // dS^T by step parity: dQ's products read it asynchronously after the dS barrier.
+  st<T, config::KV_ROWS, config::Q_ROWS> ds[2];
+  tma::barrier kv_full;
+};
+
+// Named barriers (0 is __syncthreads): P rows of warp w handed to its partner (64 threads),
+// then dS^T of all keys published to both warpgroups (256 threads).
+constexpr int PROBS_READY_BARRIER = 1;  // + warp (1..4)
+constexpr int DS_READY_BARRIER = 5;
+
+// dQ[q0 .., col0 .. col0 + 128) += dS K[:, col0 .. col0 + 128), in two 64-column products.
+template <typename T, int D>
+__device__ __forceinline__ void add_dq_half(const gl<float>& dq_accum, const st<T, 64, 64>& ds,
+                                            const st<T, 64, D>& k, int col0, tile_coord rows) {
+#pragma unroll
+  for (int chunk = 0; chunk < 2; chunk++) {
+    rt_fl<16, 64> dq;
+    warpgroup::mma_AtB(dq, ds, k, col0 + 64 * chunk, false);
+    warpgroup::wait<0>();
+    atomic_add(dq_accum, dq, rows, col0 + 64 * chunk);
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
+    split_backward_kernel(const __grid_constant__ BackwardArgs args) {
+  using config = split_backward_config<D>;
+  constexpr int QT = config::Q_ROWS;
+  static_assert(D == 256, "the role-split backward is built for head_dim 256");
+  const BackwardParams& p = args.p;
+  extern __shared__ char smem_raw[];
+  auto& s = aligned_shared<split_backward_shared<T, D>>(smem_raw);
+
+  const int kv_h = blockIdx.y, b = blockIdx.z;
+  const int k0 = blockIdx.x * config::KV_ROWS;
+  const band mask_band = band::of(p);
+  const query_walk walk = query_walk::of(p, mask_band, kv_h, k0, config::KV_ROWS);
+
+  if (threadIdx.x == 0) {
+    tma::init(s.kv_full, 1);
+    s.stages.init(config::CONSUMER_WARPS);
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup::groupid() == 0) {  // ---------------- producer ----------------
+    warpgroup::decrease_registers<config::PRODUCER_REGS>();
+    if (threadIdx.x == 0 && walk.steps > 0) {
+      tma::expect_bytes(s.kv_full, sizeof(s.k) + sizeof(s.v));
+      tma::load_async(&s.k, args.k, s.kv_full, 0, k0, 0, kv_h, b);
+      tma::load_async(&s.v, args.v, s.kv_full, 0, k0, 0, kv_h, b);
+      s.stages.produce(walk, args.q, args.dout, b);
+    }
+    return;
+  }
+
+  warpgroup::increase_registers<config::CONSUMER_REGS>();
+  const bool p_role = warpgroup::groupid() == 1;
+  const int warp = warpgroup::warp_in_group();
+  const int key0 = k0 + 16 * warp;  // this warp's first key row (in both roles)
+  const auto dq_accum = gl<float>::contiguous(p.dq_accum, p.batch, p.seq_q, p.heads_q, D);
+  rt_fl<16, D> grad;  // dV in the P role, dK in the dS role
+  zero(grad);
+  if (walk.steps > 0) tma::wait(s.kv_full, 0);
+
+  for (int i = 0; i < walk.steps; i++) {
+    const int h = walk.head(i), q0 = walk.q0(i), buf = i & 1;
+    const int stage = s.stages.acquire(i);
+    const auto& q_tile = s.stages.q[stage];
+    const auto& dout_tile = s.stages.dout[stage];
+
+    if (p_role) {
+      // P^T from the recomputed scores; lse is +inf on rows that saw nothing, giving P = 0.
+      const float c = p.scale * LOG2E;
+      rt_fl<16, QT> probs;
+      warpgroup::mma_ABt(probs, s.k, q_tile, false);
+      col_vec<QT> lse;
+      load(lse, p.lse + stats_offset(p, walk, b, i));
+      warpgroup::wait<0>();
+      if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
+        mask(probs, key0, q0, [&](int kj, int qi) { return mask_band.visible(qi, kj); });
+      map_cols(probs, lse, [=](float x, float lse) { return fast_exp2(c * x - LOG2E * lse); });
+      rt<T, 16, QT> probs_16;
+      copy(probs_16, probs);
+      store(s.probs, probs_16, 16 * warp, 0);
+      named_barrier_arrive(PROBS_READY_BARRIER + warp, 64);
+      warpgroup::mma_AB(grad, probs_16, dout_tile, true);  // dV += P^T dO
+      named_barrier_sync(DS_READY_BARRIER, 256);
+      add_dq_half(dq_accum, s.ds[buf], s.k, 0, {b, h, q0 + 16 * warp});
+    } else {
+      rt_fl<16, QT> dprobs;
+      warpgroup::mma_ABt(dprobs, s.v, dout_tile, false);  // dP^T = V dO^T
+      col_vec<QT> delta;
+      load(delta, p.delta + stats_offset(p, walk, b, i));
+      warpgroup::wait<0>();
+      named_barrier_sync(PROBS_READY_BARRIER + warp, 64);
+      rt<T, 16, QT> probs_16;
+      load(probs_16, s.probs, 16 * warp, 0);
+      rt_fl<16, QT> probs;
+      copy(probs, probs_16);
+      map_cols(dprobs, delta, [=](float dp, float delta) { return (dp - delta) * p.scale; });
+      mul(dprobs, probs);  // dS^T (scaled)
+      rt<T, 16, QT> ds_16;
+      copy(ds_16, dprobs);
+      store(s.ds[buf], ds_16, 16 * warp, 0);
+      warpgroup::fence_shared_to_async();
+      warpgroup::mma_AB(grad, ds_16, q_tile, true);  // dK += dS^T Q
+      named_barrier_sync(DS_READY_BARRIER, 256);
+      add_dq_half(dq_accum, s.ds[buf], s.k, D / 2, {b, h, q0 + 16 * warp});
+    }
+    warpgroup::wait<0>();  // this role's gradient product has read the stage
+    s.stages.release(i);
+  }
+
+  T* out = (T*)(p_role ? p.dv : p.dk);
+  store(gl<T>::contiguous(out, p.batch, p.seq_k, p.heads_kv, D), grad, {b, kv_h, key0});
+}
+
+template <typename T, int D>
+cudaError_t launch_split_backward(const BackwardParams& p, cudaStream_t stream) {
+  using config = split_backward_config<D>;
+  BackwardArgs args{};
+  if (cudaError_t err = prepare_backward<T, D>(args, p, config::KV_ROWS, stream); err != cudaSuccess) return err;
+  const int smem = int(sizeof(split_backward_shared<T, D>)) + 1024;
+  const dim3 grid((p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS, p.heads_kv, p.batch);
+  return launch_with_shared<split_backward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);
+}
+
+}  // namespace tk::attention

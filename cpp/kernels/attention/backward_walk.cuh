@@ -1,0 +1,88 @@
+// What the attention backward kernels share: their arguments and host-side preparation, the
+// walk of a key block over the query tiles that can see it, and the producer that streams
+// those Q / dO tiles through a ring of stages.
+#pragma once
+
+#include "../../kittens/kittens.cuh"
+#include "attention.h"
+#include "softmax_band.cuh"
+
+namespace tk::attention {
+
+using namespace kittens;
+
+struct BackwardArgs {
+  CUtensorMap q, k, v, dout;  // boxes: BACKWARD_Q_TILE query rows, the kernel's key rows
+  BackwardParams p;
+};
+
+// The tensor maps of `args` for element type T, and dq_accum zeroed on `stream`.
+template <typename T, int D>
+cudaError_t prepare_backward(BackwardArgs& args, const BackwardParams& p, int kv_rows, cudaStream_t stream) {
+  args.p = p;
+  const bool bf = std::is_same_v<T, bf16>;
+  if (!tma::make_bshd_map(&args.q, p.q, bf, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE) ||
+      !tma::make_bshd_map(&args.dout, p.dout, bf, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE) ||
+      !tma::make_bshd_map(&args.k, p.k, bf, p.batch, p.seq_k, p.heads_kv, D, kv_rows) ||
+      !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, kv_rows))
+    return cudaErrorInvalidValue;
+  const size_t dq_bytes = size_t(p.batch) * p.seq_q * p.heads_q * D * sizeof(float);
+  return cudaMemsetAsync(p.dq_accum, 0, dq_bytes, stream);
+}
+
+// A block owning keys [k0, k0 + rows) of KV head kv_h visits, step by step, every query tile
+// (BACKWARD_Q_TILE rows) of every query head of its GQA group that can see one of those keys.
+struct query_walk {
+  int kv_h, group, first_tile, tiles_per_head, steps;
+
+  __device__ static query_walk of(const BackwardParams& p, const band& mask_band, int kv_h, int k0, int rows) {
+    const int group = p.heads_q / p.heads_kv;
+    const key_range queries = mask_band.queries_of(k0, min(k0 + rows, p.seq_k) - 1);
+    const int first_tile = queries.lo / BACKWARD_Q_TILE;
+    const int tiles = queries.hi > queries.lo ? (queries.hi + BACKWARD_Q_TILE - 1) / BACKWARD_Q_TILE - first_tile : 0;
+    return {kv_h, group, first_tile, tiles, tiles * group};
+  }
+  // Query head and first query row of step i.
+  __device__ int head(int i) const { return kv_h * group + i / tiles_per_head; }
+  __device__ int q0(int i) const { return (first_tile + i % tiles_per_head) * BACKWARD_Q_TILE; }
+};
+
+// The Q and dO tiles of each step, STAGES at a time: "full" completes when a stage's copies
+// land, "empty" when every consumer warp (`consumer_warps` arrivals) is done with it.
+template <typename T, int D, int STAGES>
+struct query_stages {
+  st<T, BACKWARD_Q_TILE, D> q[STAGES], dout[STAGES];
+  tma::barrier full[STAGES], empty[STAGES];
+
+  __device__ void init(int consumer_warps) {
+    for (int i = 0; i < STAGES; i++) {
+      tma::init(full[i], 1);
+      tma::init(empty[i], consumer_warps);
+    }
+  }
+  // One thread of the producer issues every copy of the walk.
+  __device__ void produce(const query_walk& walk, const CUtensorMap& q_map, const CUtensorMap& dout_map, int b) {
+    for (int i = 0; i < walk.steps; i++) {
+      const int stage = i % STAGES, h = walk.head(i), q0 = walk.q0(i);
+      if (i >= STAGES) tma::wait(empty[stage], ((i / STAGES) - 1) & 1);
+      tma::expect_bytes(full[stage], sizeof(q[0]) + sizeof(dout[0]));
+      tma::load_async(&q[stage], q_map, full[stage], 0, q0, 0, h, b);
+      tma::load_async(&dout[stage], dout_map, full[stage], 0, q0, 0, h, b);
+    }
+  }
+  // Consumers: wait for step i's tiles; release them once the step's last product has read them.
+  __device__ int acquire(int i) {
+    tma::wait(full[i % STAGES], (i / STAGES) & 1);
+    return i % STAGES;
+  }
+  __device__ void release(int i) {
+    if (laneid() == 0) tma::arrive(empty[i % STAGES]);
+  }
+};
+
+// Where step i's rows start in the lse and delta arrays ([batch, heads_q, seq_q_padded]).
+__device__ __forceinline__ int64_t stats_offset(const BackwardParams& p, const query_walk& walk, int b, int i) {
+  return (int64_t(b) * p.heads_q + walk.head(i)) * p.seq_q_padded + walk.q0(i);
+}
+
+}  // namespace tk::attention
