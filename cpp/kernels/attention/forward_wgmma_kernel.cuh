@@ -7,7 +7,8 @@
 //   S = Q K^T                                   (wgmma, Q and K from shared memory)
 //   m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
 //   O = 2^(c m - c m') O + P V                  (wgmma, P from registers, V from shared)
-// with c = scale * log2(e); finally O /= l and lse = ln 2 (c m + log2 l). Registers move from
+// with c = scale * log2(e); finally O /= l and lse = ln 2 (c m + log2 l). The scores of the
+// next key tile are computed on the tensor cores while the softmax of this one runs. Registers move from
 // the producer (which needs few) to the consumers with setmaxnreg. Tiles outside the causal /
 // window band are never loaded; only tiles crossing its edges or the end of the keys are masked.
 #pragma once
@@ -28,7 +29,9 @@ struct wgmma_forward_config {
   // Key tiles of 128 rows; 64 at D = 256, where the output takes 128 registers a thread and
   // two stages of 128-row K and V tiles would not fit in shared memory.
   static constexpr int KV_ROWS = D <= 128 ? 128 : 64;
-  static constexpr int STAGES = D <= 64 ? 3 : 2;
+  // Three stages where they fit (at D = 128: 32 KB of Q + 3 x 64 KB of K and V, 226 KB in all):
+  // with the next tile's scores computed early, K_{i+1} must have landed one step sooner.
+  static constexpr int STAGES = D <= 128 ? 3 : 2;
   static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 };
 
@@ -37,7 +40,7 @@ struct wgmma_forward_shared {
   using config = wgmma_forward_config<D>;
   st<T, 64, D> q[config::CONSUMERS];
   st<T, config::KV_ROWS, D> k[config::STAGES], v[config::STAGES];
-  tma::barrier q_full, k_full[config::STAGES], v_full[config::STAGES], kv_empty[config::STAGES];
+  tma::barrier q_full, k_full[config::STAGES], v_full[config::STAGES], k_empty[config::STAGES], v_empty[config::STAGES];
 };
 
 struct WgmmaForwardArgs {
@@ -68,7 +71,8 @@ __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
     for (int i = 0; i < STAGES; i++) {
       tma::init(s.k_full[i], 1);
       tma::init(s.v_full[i], 1);
-      tma::init(s.kv_empty[i], config::CONSUMERS * 4);  // one arrival per consumer warp
+      tma::init(s.k_empty[i], config::CONSUMERS * 4);  // one arrival per consumer warp
+      tma::init(s.v_empty[i], config::CONSUMERS * 4);
     }
     tma::fence_barrier_init();
   }
@@ -81,9 +85,12 @@ __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
       for (int c = 0; c < config::CONSUMERS; c++) tma::load_async(&s.q[c], args.q, s.q_full, 0, q0 + 64 * c, 0, h, b);
       for (int tile = first_tile, i = 0; tile < end_tile; tile++, i++) {
         const int stage = i % STAGES;
-        if (i >= STAGES) tma::wait(s.kv_empty[stage], ((i / STAGES) - 1) & 1);
+        // K and V slots are released separately: K_i as soon as its scores have landed, which
+        // is well before V_i is done, so the next K tile can load early.
+        if (i >= STAGES) tma::wait(s.k_empty[stage], ((i / STAGES) - 1) & 1);
         tma::expect_bytes(s.k_full[stage], sizeof(s.k[0]));
         tma::load_async(&s.k[stage], args.k, s.k_full[stage], 0, tile * KV, 0, kv_h, b);
+        if (i >= STAGES) tma::wait(s.v_empty[stage], ((i / STAGES) - 1) & 1);
         tma::expect_bytes(s.v_full[stage], sizeof(s.v[0]));
         tma::load_async(&s.v[stage], args.v, s.v_full[stage], 0, tile * KV, 0, kv_h, b);
       }
@@ -101,24 +108,52 @@ __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
     map(l, [](float) { return 0.f; });
     if (first_tile < end_tile) tma::wait(s.q_full, 0);
 
-    for (int tile = first_tile, i = 0; tile < end_tile; tile++, i++) {
-      const int stage = i % STAGES, phase = (i / STAGES) & 1;
-      tma::wait(s.k_full[stage], phase);
-      rt_fl<16, KV> scores;
-      warpgroup::mma_ABt(scores, s.q[consumer], s.k[stage], false);
-      warpgroup::wait<0>();
-
-      const int k0 = tile * KV;
+    // Scores of key tile i + 1 are computed while P_i V_i runs: S_{i+1} and then O += P_i V_i are
+    // issued back to back, the softmax of S_{i+1} overlaps the second product, and O is
+    // rescaled once that product has landed.
+    const int tiles = end_tile - first_tile;
+    rt_fl<16, KV> scores;
+    row_vec<16> rescale;
+    auto scores_of = [&](int i) {  // S_i = Q K_i^T, issued asynchronously
+      tma::wait(s.k_full[i % STAGES], (i / STAGES) & 1);
+      warpgroup::mma_ABt(scores, s.q[consumer], s.k[i % STAGES], false);
+    };
+    auto softmax_of = [&](int i) {  // S_i has landed: release K_i, then scores -> P_i
+      if (laneid() == 0) tma::arrive(s.k_empty[i % STAGES]);
+      const int k0 = (first_tile + i) * KV;
       if (mask_band.cuts(row0, 16, k0, KV))
-        mask(scores, row0, k0, [&](int i, int j) { return mask_band.visible(i, j); });
-      online_softmax_step(scores, m, l, o, c);
-
+        mask(scores, row0, k0, [&](int r, int j) { return mask_band.visible(r, j); });
+      online_softmax_step(scores, m, l, rescale, c);
+    };
+    auto add_pv = [&](int i, const rt<T, 16, KV>& probs) {  // O += P_i V_i, issued asynchronously
+      tma::wait(s.v_full[i % STAGES], (i / STAGES) & 1);
+      warpgroup::mma_AB(o, probs, s.v[i % STAGES], true);
+    };
+    auto release_v = [&](int i) {  // P_i V_i has landed
+      if (laneid() == 0) tma::arrive(s.v_empty[i % STAGES]);
+    };
+    if (tiles > 0) {
+      scores_of(0);
+      warpgroup::wait<0>();
+      softmax_of(0);  // O is still zero: no rescale
+    }
+    for (int i = 0; i + 1 < tiles; i++) {
+      rt<T, 16, KV> probs;  // P_i leaves the scores before S_{i+1} overwrites them
+      copy(probs, scores);
+      scores_of(i + 1);
+      add_pv(i, probs);
+      warpgroup::wait<1>();  // S_{i+1} has landed; P_i V_i may still run
+      softmax_of(i + 1);
+      warpgroup::wait<0>();
+      release_v(i);
+      mul_row(o, rescale);
+    }
+    if (tiles > 0) {  // the last tile: nothing left to overlap
       rt<T, 16, KV> probs;
       copy(probs, scores);
-      tma::wait(s.v_full[stage], phase);
-      warpgroup::mma_AB(o, probs, s.v[stage], true);
+      add_pv(tiles - 1, probs);
       warpgroup::wait<0>();
-      if (laneid() == 0) tma::arrive(s.kv_empty[stage]);  // this warp is done with the stage
+      release_v(tiles - 1);
     }
 
     store_output<T, D>(o, m, l, c, p, b, h, row0);

@@ -48,13 +48,15 @@ struct band {
 };
 
 // One key tile of the online softmax for a warp's 16 rows, with c = scale * log2(e):
-//   m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P;  O *= 2^(c m - c m')
-// `scores` becomes P. A row that has seen no key yet keeps max -inf: 0 stands in for it so
-// that 2^(-inf - 0) = 0 instead of NaN (its l and O are 0, so rescaling them is harmless).
-template <int KV, int D>
+//   m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
+// `scores` becomes P, and `rescale` = 2^(c m - c m') is what the output accumulated so far must
+// be multiplied by (left to the caller, whose O may still be in flight in a wgmma). A row that
+// has seen no key yet keeps max -inf: 0 stands in for it so that 2^(-inf - 0) = 0 instead of
+// NaN (its l and O are 0, so rescaling them is harmless).
+template <int KV>
 __device__ __forceinline__ void online_softmax_step(rt_fl<16, KV>& scores, row_vec<16>& m, row_vec<16>& l,
-                                                    rt_fl<16, D>& o, float c) {
-  row_vec<16> m_new, rescale, tile_sum;
+                                                    row_vec<16>& rescale, float c) {
+  row_vec<16> m_new, tile_sum;
   row_max(m_new, scores);
   map(m_new, m_new, m, [](float a, float b) { return fmaxf(a, b); });
   map(m_new, [](float x) { return x == NEG_INF ? 0.f : x; });
@@ -63,7 +65,6 @@ __device__ __forceinline__ void online_softmax_step(rt_fl<16, KV>& scores, row_v
   row_sum(tile_sum, scores);
   map(l, l, rescale, [](float a, float b) { return a * b; });
   map(l, l, tile_sum, [](float a, float b) { return a + b; });
-  mul_row(o, rescale);
   m = m_new;
 }
 
