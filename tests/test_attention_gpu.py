@@ -166,3 +166,35 @@ def test_backward_kernel_matches_reference(hopper, rng, dtype, d, tq, tk, hq, hk
         # softmax is exactly 1, so dq = dk = 0 and only rounding remains).
         err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-2 * math.sqrt(want.size))
         assert err < 1e-2, (name, err)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("t", [1, 2, 63, 65, 127, 129, 1000, 4097])
+def test_forward_and_gradients_over_lengths(hopper, rng, dtype, d, t):
+    """Issue 3's length list through the public API under jit + grad, at every head dim: forward
+    and all three gradients against float64. Odd lengths run causal with GQA 8:1, even ones
+    full attention with 8:8 heads; Tk = T + 3 (bottom-right alignment, Tq != Tk)."""
+    hq, hkv = (8, 1) if t % 2 else (8, 8)
+    if t > 1000:
+        hq, hkv = 2, 1  # keeps the float64 reference's T x T matrices small
+    causal = t % 2 == 1
+    q, k, v = _inputs(rng, 1, t, t + 3, hq, hkv, d, dtype)
+    do = rng.standard_normal(q.shape).astype(np.float32)
+
+    def loss(q, k, v):
+        o = tk_jax.flash_attention(q, k, v, causal=causal, backend="kernel")
+        return jnp.sum(o.astype(jnp.float32) * do), o
+
+    poison_device_memory(4 * (q.nbytes + 2 * k.nbytes))
+    (grads, o) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(*(jnp.asarray(x) for x in (q, k, v)))
+    scale = 1 / math.sqrt(d)
+    wr = 0 if causal else -1
+    o_ref, _ = naive_attention(*(x.astype(np.float64) for x in (q, k, v)), scale, -1, wr)
+    assert rel_l2(np.asarray(o.astype(jnp.float32)), o_ref) < 1e-2
+    ref = naive_attention_grads(*(x.astype(np.float64) for x in (q, k, v, do)), scale, -1, wr)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert g.dtype == q.dtype, name
+        got = np.asarray(g.astype(jnp.float32), np.float64)
+        assert np.isfinite(got).all(), name
+        assert rel_l2(got, r) < 1e-2, (name, rel_l2(got, r))
