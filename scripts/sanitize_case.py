@@ -22,8 +22,7 @@ for d in (64, 128, 256) if "attention" in which else ():
     kw = dict(scale=1 / math.sqrt(d), window_left=-1, window_right=0)
     for variant in _kernels.ATTENTION_VARIANTS if d <= 128 else ("wgmma",):  # mma_sync: 64, 128
         o, lse = _kernels.attention_fwd(q, k, v, variant=variant, **kw)
-    if d in _kernels.ATTENTION_BACKWARD_HEAD_DIMS:
-        jax.block_until_ready(_kernels.attention_bwd(q, k, v, o, lse, jnp.ones_like(o), **kw))
+    jax.block_until_ready(_kernels.attention_bwd(q, k, v, o, lse, jnp.ones_like(o), **kw))
     jax.block_until_ready((o, lse))
 for dv in (64, 128) if "based" in which else ():  # Based: two chunks, the second partial; a random initial state
     qk_shape, v_shape = (1, 77, 2, 16), (1, 77, 2, dv)

@@ -84,7 +84,6 @@ def kernel_path(monkeypatch):
     module.attention_fwd = attention_fwd
     module.attention_bwd = attention_bwd
     module.attention_kernel_unsupported = lambda q, k, v: None
-    module.attention_backward_kernel_supports = lambda q: True
     module.based_fwd = based_fwd
     module.based_bwd = based_bwd
     module.based_kernel_unsupported = lambda q, k, v: None

@@ -321,7 +321,6 @@ def test_auto_dispatches_to_kernel_when_available(monkeypatch):
     module.attention_fwd = attention_fwd
     module.attention_bwd = attention_bwd
     module.attention_kernel_unsupported = lambda q, k, v: None
-    module.attention_backward_kernel_supports = lambda q: True
     monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
     monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)
     monkeypatch.setattr(tk_jax, "_kernels", module, raising=False)
@@ -338,39 +337,3 @@ def test_auto_dispatches_to_kernel_when_available(monkeypatch):
     assert_close(o.reshape((6,) + o.shape[2:]), naive_attention(*flat[:3], 0.3, 2, 0)[0], "o", seed)
     for grad_name, grad, ref in zip("qkv", grads, naive_attention_grads(*flat, 0.3, 2, 0)):
         assert_close(grad.reshape(ref.shape), ref, f"d{grad_name}", seed)
-
-
-def test_kernel_forward_with_reference_backward(monkeypatch):
-    """Where the forward kernel runs but the backward kernel does not (head_dim 256), the
-    gradients come from the blockwise reference on the kernel's o and lse: the backward
-    stand-in is never called and the gradients are the naive ones."""
-    calls = []
-
-    def attention_fwd(q, k, v, *, scale, window_left, window_right):
-        calls.append("fwd")
-        return attention_forward(q, k, v, scale=scale, window_left=window_left,
-                                 window_right=window_right)
-
-    def attention_bwd(*args, **kwargs):
-        calls.append("bwd")
-        raise AssertionError("the backward kernel must not run for this head dim")
-
-    module = types.ModuleType("tk_jax._kernels")
-    module.attention_fwd = attention_fwd
-    module.attention_bwd = attention_bwd
-    module.attention_kernel_unsupported = lambda q, k, v: None
-    module.attention_backward_kernel_supports = lambda q: q.shape[-1] != 24
-    monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
-    monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)
-    monkeypatch.setattr(tk_jax, "_kernels", module, raising=False)
-
-    rng, seed = fresh_rng()
-    q, k, v = random_qkv(rng, tq=9, tk=11, d=24)
-    do = random_like(rng, q)
-    o, grads = loss_and_grads(functools.partial(flash_attention, causal=True, backend="kernel"),
-                              q, k, v, do)
-    assert calls and set(calls) == {"fwd"}
-    scale = 1 / np.sqrt(24)
-    assert_close(o, naive_attention(q, k, v, scale, -1, 0)[0], "o", seed)
-    for grad_name, grad, ref in zip("qkv", grads, naive_attention_grads(q, k, v, do, scale, -1, 0)):
-        assert_close(grad, ref, f"d{grad_name}", seed)

@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ATTENTION_HEAD_DIMS = (64, 128, 256)       # the forward kernel
-ATTENTION_BACKWARD_HEAD_DIMS = (64, 128, 256)  # the backward kernels
+ATTENTION_HEAD_DIMS = (64, 128, 256)       # the forward and backward kernels
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -20,12 +19,6 @@ def attention_kernel_unsupported(q, k, v) -> str | None:
     if q.shape[-1] not in ATTENTION_HEAD_DIMS:
         return f"the kernel supports head_dim in {ATTENTION_HEAD_DIMS}, got {q.shape[-1]}"
     return None
-
-
-def attention_backward_kernel_supports(q) -> bool:
-    """Whether the backward kernel handles q's head dim (where the forward kernel runs but
-    this says no, the backward is the blockwise reference on the kernel's o and lse)."""
-    return q.shape[-1] in ATTENTION_BACKWARD_HEAD_DIMS
 
 
 # Forward kernel variants: the Hopper kernel (TMA + wgmma + warp specialisation) and the

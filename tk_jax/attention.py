@@ -110,24 +110,18 @@ def attention_bwd_impl(q, k, v, o, lse, do, *, scale, window_left, window_right,
     cotangent `dlse` [B, Hq, Tq] of lse (None: lse is not differentiated, which is cheaper).
 
     The one dispatch point for the backward; backend="kernel" runs the backward kernel under
-    the partitioning rule (not with local=True, as in attention_fwd_impl), or the blockwise
-    reference where only the forward has a kernel (head_dim 256). o and lse are used as given
-    (ring attention passes the global ones).
+    the partitioning rule (not with local=True, as in attention_fwd_impl). o and lse are used
+    as given (ring attention passes the global ones).
     """
     _check_resolved(backend)
     window = dict(scale=scale, window_left=window_left, window_right=window_right)
-    if backend == "kernel" and _backward_kernel_supports(q):
+    if backend == "kernel":
         from tk_jax import _kernels, sharding
         backward = (sharding.on_local_shards(_kernels.attention_bwd) if local else
                     sharding.partitioned_attention_bwd(_kernels.attention_bwd,
                                                        with_dlse=dlse is not None))
         return backward(q, k, v, o, lse, do, *(() if dlse is None else (dlse,)), **window)
     return _reference_backward(q, k, v, o, lse, do, dlse, **window)
-
-
-def _backward_kernel_supports(q) -> bool:
-    from tk_jax import _kernels
-    return _kernels.attention_backward_kernel_supports(q)
 
 
 def _reference_backward(q, k, v, o, lse, do, dlse=None, *, scale, window_left, window_right):
