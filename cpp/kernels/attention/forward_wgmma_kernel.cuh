@@ -7,10 +7,11 @@
 //   S = Q K^T                                   (wgmma, Q and K from shared memory)
 //   m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
 //   O = 2^(c m - c m') O + P V                  (wgmma, P from registers, V from shared)
-// with c = scale * log2(e); finally O /= l and lse = ln 2 (c m + log2 l). The scores of the
-// next key tile are computed on the tensor cores while the softmax of this one runs. Registers move from
-// the producer (which needs few) to the consumers with setmaxnreg. Tiles outside the causal /
-// window band are never loaded; only tiles crossing its edges or the end of the keys are masked.
+// with c = scale * log2(e); finally O /= l and lse = ln 2 (c m + log2 l). The next key tile's
+// scores are issued before this tile's P V, so that one tile's softmax runs while the tensor
+// cores work on the other's product. Registers move from the producer (which needs few) to
+// the consumers with setmaxnreg. Tiles outside the causal / window band are never loaded;
+// only tiles crossing its edges or the end of the keys are masked.
 #pragma once
 
 #include "../../kittens/kittens.cuh"
@@ -40,7 +41,8 @@ struct wgmma_forward_shared {
   using config = wgmma_forward_config<D>;
   st<T, 64, D> q[config::CONSUMERS];
   st<T, config::KV_ROWS, D> k[config::STAGES], v[config::STAGES];
-  tma::barrier q_full, k_full[config::STAGES], v_full[config::STAGES], k_empty[config::STAGES], v_empty[config::STAGES];
+  tma::barrier q_full, k_full[config::STAGES], v_full[config::STAGES];
+  tma::barrier k_empty[config::STAGES], v_empty[config::STAGES];
 };
 
 struct WgmmaForwardArgs {
