@@ -89,6 +89,10 @@ def kernel_path(monkeypatch):
     module.based_kernel_unsupported = lambda q, k, v: None
     module.based_decode = based_decode
     module.based_decode_unsupported = lambda q_t, v_t: None
+    from tk_jax import _kernels as real_kernels  # its constants (importing needs no extension)
+    for name in dir(real_kernels):
+        if name.isupper():
+            setattr(module, name, getattr(real_kernels, name))
     monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
     monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)
     monkeypatch.setattr(tk_jax, "_kernels", module, raising=False)
