@@ -25,10 +25,7 @@ namespace tk::based {
 using namespace kittens;
 
 template <typename T>
-struct dkv_shared {
-  st<T, CHUNK, FEATURE_DIM> q[2], k[2];  // double-buffered chunks
-  st<T, CHUNK, V_BLOCK> v[2], dy[2];
-  float inv_den[2][CHUNK], dden[2][CHUNK];
+struct dkv_shared : backward_chunks<T> {
   // dk parts [warp][row tile] and the r term's [feature half][row tile]; dv partials handed
   // from one feature half to the other [warp][finished tile]. All in fragment order.
   float4 parts[STATE_WARPS][ROW_TILES][WARP_THREADS][2];

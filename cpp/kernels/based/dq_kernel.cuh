@@ -27,10 +27,7 @@ namespace tk::based {
 using namespace kittens;
 
 template <typename T>
-struct dq_shared {
-  st<T, CHUNK, FEATURE_DIM> q[2], k[2];  // double-buffered chunks
-  st<T, CHUNK, V_BLOCK> v[2], dy[2];
-  float inv_den[2][CHUNK], dden[2][CHUNK];
+struct dq_shared : backward_chunks<T> {
   // dq parts: [warp][row tile][lane][8 floats] from the state and intra-chunk terms, and
   // [feature half][row tile][lane][8 floats] from the normaliser column, in fragment order.
   float4 parts[STATE_WARPS][ROW_TILES][WARP_THREADS][2];

@@ -77,6 +77,16 @@ __device__ __forceinline__ void load_row_stats_async(float* dst, const float* sr
                  "l"(src + (t < valid ? t : 0)), "r"(t < valid ? 4 : 0));
 }
 
+// What both backward sweeps stream chunk by chunk, double-buffered in shared memory: q, k,
+// this block's value columns of v and dy, and the rows' 1/den and dden. Each sweep's shared
+// layout starts with it.
+template <typename T>
+struct backward_chunks {
+  st<T, CHUNK, FEATURE_DIM> q[2], k[2];
+  st<T, CHUNK, V_BLOCK> v[2], dy[2];
+  float inv_den[2][CHUNK], dden[2][CHUNK];
+};
+
 // The fragment of a 16 x 16 float tile into a shared slot [lane][2], for another warp of the
 // block to read in the same order: (x, y) of row g and (z, w) of row g + 8, columns 2c, 2c + 1
 // (slot 0) and 2c + 8, 2c + 9 (slot 1).
