@@ -69,3 +69,13 @@ def test_tma_and_wgmma(kernels, rng):
     a64, b64, c64 = (m.astype(np.float64) for m in (a, b, c))
     np.testing.assert_allclose(np.asarray(abt), a64 @ b64.T, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(np.asarray(ac), a64 @ c64, rtol=1e-4, atol=1e-3)
+
+
+def test_producer_consumer_ring(kernels, rng):
+    """Five TMA tiles through a two-slot ring (full/empty barriers, phases wrapping twice): the
+    consumer warpgroup weights use i by i + 1, so a slot read at the wrong phase shows up."""
+    x = rng.standard_normal((5 * 64, 64)).astype(jnp.bfloat16)
+    out = _call("tk_test_ring", jax.ShapeDtypeStruct((64, 64), jnp.float32), jnp.asarray(x))
+    tiles = x.astype(np.float64).reshape(5, 64, 64)
+    expected = sum((i + 1) * tiles[i] for i in range(5))
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)

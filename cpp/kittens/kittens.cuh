@@ -1,6 +1,6 @@
 // kittens: a small tile library for Hopper kernels, in the spirit of ThunderKittens.
 // Levels: warp (register tiles, mma.sync, maps, reductions), warpgroup (wgmma, TMA and
-// mbarriers), block (cooperative copies).
+// mbarriers, the producer/consumer ring), block (cooperative copies).
 #pragma once
 
 #include "common/base.cuh"
@@ -10,6 +10,7 @@
 #include "ops/warp/maps.cuh"
 #include "ops/warp/memory.cuh"
 #include "ops/warp/mma.cuh"
+#include "ops/warpgroup/ring.cuh"
 #include "ops/warpgroup/tma.cuh"
 #include "ops/warpgroup/wgmma.cuh"
 #include "types/global_layout.cuh"

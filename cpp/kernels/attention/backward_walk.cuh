@@ -47,37 +47,25 @@ struct query_walk {
   __device__ int q0(int i) const { return (first_tile + i % tiles_per_head) * BACKWARD_Q_TILE; }
 };
 
-// The Q and dO tiles of each step, STAGES at a time: "full" completes when a stage's copies
-// land, "empty" when every consumer warp (`consumer_warps` arrivals) is done with it.
+// The Q and dO tiles of each step, STAGES at a time, through a ring (one use per step).
 template <typename T, int D, int STAGES>
 struct query_stages {
   st<T, BACKWARD_Q_TILE, D> q[STAGES], dout[STAGES];
-  tma::barrier full[STAGES], empty[STAGES];
+  ring<STAGES> slots;
 
-  __device__ void init(int consumer_warps) {
-    for (int i = 0; i < STAGES; i++) {
-      tma::init(full[i], 1);
-      tma::init(empty[i], consumer_warps);
-    }
-  }
+  __device__ void init(int consumer_warps) { slots.init(consumer_warps); }
   // One thread of the producer issues every copy of the walk.
   __device__ void produce(const query_walk& walk, const CUtensorMap& q_map, const CUtensorMap& dout_map, int b) {
     for (int i = 0; i < walk.steps; i++) {
-      const int stage = i % STAGES, h = walk.head(i), q0 = walk.q0(i);
-      if (i >= STAGES) tma::wait(empty[stage], ((i / STAGES) - 1) & 1);
-      tma::expect_bytes(full[stage], sizeof(q[0]) + sizeof(dout[0]));
-      tma::load_async(&q[stage], q_map, full[stage], 0, q0, 0, h, b);
-      tma::load_async(&dout[stage], dout_map, full[stage], 0, q0, 0, h, b);
+      const int stage = slots.slot(i), h = walk.head(i), q0 = walk.q0(i);
+      tma::barrier& full = slots.fill(i, sizeof(q[0]) + sizeof(dout[0]));
+      tma::load_async(&q[stage], q_map, full, 0, q0, 0, h, b);
+      tma::load_async(&dout[stage], dout_map, full, 0, q0, 0, h, b);
     }
   }
   // Consumers: wait for step i's tiles; release them once the step's last product has read them.
-  __device__ int acquire(int i) {
-    tma::wait(full[i % STAGES], (i / STAGES) & 1);
-    return i % STAGES;
-  }
-  __device__ void release(int i) {
-    if (laneid() == 0) tma::arrive(empty[i % STAGES]);
-  }
+  __device__ int acquire(int i) { return slots.acquire(i); }
+  __device__ void release(int i) { slots.release(i); }
 };
 
 // Where step i's rows start in the lse and delta arrays ([batch, heads_q, seq_q_padded]).

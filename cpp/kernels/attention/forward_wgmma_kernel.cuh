@@ -41,8 +41,10 @@ struct wgmma_forward_shared {
   using config = wgmma_forward_config<D>;
   st<T, 64, D> q[config::CONSUMERS];
   st<T, config::KV_ROWS, D> k[config::STAGES], v[config::STAGES];
-  tma::barrier q_full, k_full[config::STAGES], v_full[config::STAGES];
-  tma::barrier k_empty[config::STAGES], v_empty[config::STAGES];
+  tma::barrier q_full;
+  // K and V have rings of their own: K_i is released as soon as its scores have landed, well
+  // before V_i is done, so the next K tile can load early.
+  ring<config::STAGES> k_ring, v_ring;
 };
 
 struct WgmmaForwardArgs {
@@ -70,12 +72,8 @@ __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
 
   if (threadIdx.x == 0) {
     tma::init(s.q_full, 1);
-    for (int i = 0; i < STAGES; i++) {
-      tma::init(s.k_full[i], 1);
-      tma::init(s.v_full[i], 1);
-      tma::init(s.k_empty[i], config::CONSUMERS * 4);  // one arrival per consumer warp
-      tma::init(s.v_empty[i], config::CONSUMERS * 4);
-    }
+    s.k_ring.init(config::CONSUMERS * 4);  // one arrival per consumer warp
+    s.v_ring.init(config::CONSUMERS * 4);
     tma::fence_barrier_init();
   }
   __syncthreads();
@@ -87,14 +85,8 @@ __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
       for (int c = 0; c < config::CONSUMERS; c++) tma::load_async(&s.q[c], args.q, s.q_full, 0, q0 + 64 * c, 0, h, b);
       for (int tile = first_tile, i = 0; tile < end_tile; tile++, i++) {
         const int stage = i % STAGES;
-        // K and V slots are released separately: K_i as soon as its scores have landed, which
-        // is well before V_i is done, so the next K tile can load early.
-        if (i >= STAGES) tma::wait(s.k_empty[stage], ((i / STAGES) - 1) & 1);
-        tma::expect_bytes(s.k_full[stage], sizeof(s.k[0]));
-        tma::load_async(&s.k[stage], args.k, s.k_full[stage], 0, tile * KV, 0, kv_h, b);
-        if (i >= STAGES) tma::wait(s.v_empty[stage], ((i / STAGES) - 1) & 1);
-        tma::expect_bytes(s.v_full[stage], sizeof(s.v[0]));
-        tma::load_async(&s.v[stage], args.v, s.v_full[stage], 0, tile * KV, 0, kv_h, b);
+        tma::load_async(&s.k[stage], args.k, s.k_ring.fill(i, sizeof(s.k[0])), 0, tile * KV, 0, kv_h, b);
+        tma::load_async(&s.v[stage], args.v, s.v_ring.fill(i, sizeof(s.v[0])), 0, tile * KV, 0, kv_h, b);
       }
     }
   } else {  // ---------------- consumers ----------------
@@ -117,22 +109,20 @@ __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
     rt_fl<16, KV> scores;
     row_vec<16> rescale;
     auto scores_of = [&](int i) {  // S_i = Q K_i^T, issued asynchronously
-      tma::wait(s.k_full[i % STAGES], (i / STAGES) & 1);
-      warpgroup::mma_ABt(scores, s.q[consumer], s.k[i % STAGES], false);
+      warpgroup::mma_ABt(scores, s.q[consumer], s.k[s.k_ring.acquire(i)], false);
     };
     auto softmax_of = [&](int i) {  // S_i has landed: release K_i, then scores -> P_i
-      if (laneid() == 0) tma::arrive(s.k_empty[i % STAGES]);
+      s.k_ring.release(i);
       const int k0 = (first_tile + i) * KV;
       if (mask_band.cuts(row0, 16, k0, KV))
         mask(scores, row0, k0, [&](int r, int j) { return mask_band.visible(r, j); });
       online_softmax_step(scores, m, l, rescale, c);
     };
     auto add_pv = [&](int i, const rt<T, 16, KV>& probs) {  // O += P_i V_i, issued asynchronously
-      tma::wait(s.v_full[i % STAGES], (i / STAGES) & 1);
-      warpgroup::mma_AB(o, probs, s.v[i % STAGES], true);
+      warpgroup::mma_AB(o, probs, s.v[s.v_ring.acquire(i)], true);
     };
     auto release_v = [&](int i) {  // P_i V_i has landed
-      if (laneid() == 0) tma::arrive(s.v_empty[i % STAGES]);
+      s.v_ring.release(i);
     };
     if (tiles > 0) {
       scores_of(0);

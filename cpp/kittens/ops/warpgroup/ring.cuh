@@ -1,0 +1,45 @@
+// The producer/consumer ring: STAGES shared-memory slots that one producer thread fills with
+// TMA copies and consumer warps drain. Each slot has a "full" barrier (the producer's arrival
+// with the bytes to expect; the copy engine completes it) and an "empty" barrier (one arrival
+// per consumer warp). Uses are numbered i = 0, 1, 2, ... over the kernel's life (across the
+// work items of a persistent block, too): use i takes slot i % STAGES at phase (i / STAGES) & 1.
+// The tiles themselves live beside the ring; this holds only the synchronisation.
+#pragma once
+
+#include "tma.cuh"
+
+namespace kittens {
+
+template <int STAGES>
+struct ring {
+  tma::barrier full[STAGES], empty[STAGES];
+
+  // One thread, before tma::fence_barrier_init() and the block's first __syncthreads.
+  __device__ void init(int consumer_warps) {
+    for (int s = 0; s < STAGES; s++) {
+      tma::init(full[s], 1);
+      tma::init(empty[s], consumer_warps);
+    }
+  }
+  __device__ static int slot(int i) { return i % STAGES; }
+
+  // Producer: wait until use i's slot is free (use i - STAGES released it), announce `bytes`
+  // of copies, and return the barrier those copies must complete on.
+  __device__ tma::barrier& fill(int i, uint32_t bytes) {
+    if (i >= STAGES) tma::wait(empty[i % STAGES], ((i / STAGES) - 1) & 1);
+    tma::expect_bytes(full[i % STAGES], bytes);
+    return full[i % STAGES];
+  }
+  // Consumers: wait for use i's copies (returns its slot); release the slot when done with it
+  // (lane 0 arrives for its warp, after the warp's last read).
+  __device__ int acquire(int i) {
+    tma::wait(full[i % STAGES], (i / STAGES) & 1);
+    return i % STAGES;
+  }
+  __device__ void release(int i) {
+    __syncwarp();
+    if (laneid() == 0) tma::arrive(empty[i % STAGES]);
+  }
+};
+
+}  // namespace kittens
