@@ -1,6 +1,7 @@
-// Test-only kernel for the warpgroup level: TMA tile loads completing on an mbarrier, then
+// Test-only kernels for the warpgroup level: TMA tile loads completing on an mbarrier, then
 // wgmma with both operands in shared memory (A B^T, K-major) and with A in registers and B
-// MN-major (A C), compared with numpy by tests/test_kittens_gpu.py.
+// MN-major (A C); fp32 shared tiles added to global memory by TMA bulk reductions. Compared
+// with numpy by tests/test_kittens_gpu.py.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -127,12 +128,69 @@ ffi::Error Ring(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Result<ffi::
   return ffi::Error::Success();
 }
 
+// ---- fp32 shared tiles and TMA bulk adds: out = base + 2 x[:50], added twice in two groups ----
+constexpr int BULK_ROWS = 50, BULK_COLS = 128;  // the global tensor; boxes of 64 rows x 64 columns
+
+struct BulkAddArgs {
+  CUtensorMap out;  // fp32 [BULK_ROWS, BULK_COLS]
+  const float* x;   // fp32 [64, BULK_COLS]: rows past BULK_ROWS must be clipped by the copy engine
+};
+
+struct bulk_add_shared {
+  st<float, 64, 64> tile[BULK_COLS / 64];
+};
+
+__global__ void __launch_bounds__(128) bulk_add_kernel(const __grid_constant__ BulkAddArgs args) {
+  extern __shared__ char smem_raw[];
+  auto& s = aligned_shared<bulk_add_shared>(smem_raw);
+  const int row0 = 16 * warpgroup::warp_in_group();
+  for (int chunk = 0; chunk < BULK_COLS / 64; chunk++) {  // registers -> swizzled fp32 tile
+    rt_fl<16, 64> t;
+    for_each(t, [&](float& v, int r, int c) { v = args.x[(row0 + r) * BULK_COLS + 64 * chunk + c]; });
+    store(s.tile[chunk], t, row0, 0);
+  }
+  warpgroup::fence_shared_to_async();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int round = 0; round < 2; round++) {
+      for (int chunk = 0; chunk < BULK_COLS / 64; chunk++)
+        tma::store_add_async(args.out, &s.tile[chunk], 0, 0, 2 * chunk, 0, 0);
+      tma::commit_group();
+    }
+    tma::wait_group<0>();
+  }
+}
+
+ffi::Error BulkAdd(cudaStream_t stream, ffi::Buffer<ffi::F32> base, ffi::Buffer<ffi::F32> x,
+                   ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  if (base.element_count() != BULK_ROWS * BULK_COLS || x.element_count() != 64 * BULK_COLS)
+    return ffi::Error::InvalidArgument("base must be [50, 128], x [64, 128]");
+  const size_t bytes = size_t(BULK_ROWS) * BULK_COLS * sizeof(float);
+  if (cudaMemcpyAsync(out->typed_data(), base.typed_data(), bytes, cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
+    return ffi::Error::Internal("tk_test_bulk_add: copy failed");
+  BulkAddArgs args{};
+  if (!tma::make_bshd_map_f32(&args.out, out->typed_data(), 1, BULK_ROWS, 1, BULK_COLS, 64, 64))
+    return ffi::Error::Internal("tk_test_bulk_add: tensor map encoding failed");
+  args.x = x.typed_data();
+  const int smem = int(sizeof(bulk_add_shared)) + 1024;
+  const cudaError_t err = launch_with_shared<bulk_add_kernel>(1, 128, smem, stream, args);
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("tk_test_bulk_add: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_ring, Ring,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_bulk_add, BulkAdd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_wgmma, Wgmma,

@@ -7,7 +7,9 @@
 //   dV  += P^T dO                      dP^T = V dO^T
 //   dS^T = scale * P^T o (dP^T - delta)                                    (delta per column)
 //   dK  += dS^T Q                      dQ  += dS K   (dS^T of all 128 keys staged in shared
-//                                                    memory; one fp32 atomic add per element)
+//                                                    memory; the dQ tile staged there too and
+//                                                    added to global memory by one TMA bulk
+//                                                    reduction: full-line adds in L2)
 // The producer warpgroup streams Q and dO tiles through a ring of stages; each lane reads the
 // lse and delta values of its own columns from global memory, each load issued before a wgmma
 // whose wait hides its latency.
@@ -37,6 +39,7 @@ struct backward_shared {
   st<T, 64, D> k[config::CONSUMERS], v[config::CONSUMERS];
   query_stages<T, D, config::STAGES> stages;
   st<T, 64, config::Q_ROWS> ds[2][config::CONSUMERS];  // dS^T per step parity and consumer: keys x queries
+  st<float, config::Q_ROWS, 64> dq[config::CONSUMERS];  // a consumer's 64-column chunk of dQ on its way out
   tma::barrier kv_full;
 };
 
@@ -77,7 +80,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     const int consumer = warpgroup::groupid() - 1, warp = warpgroup::warp_in_group();
     const int key0 = k0 + 64 * consumer + 16 * warp;  // this warp's first key row
     const float c = p.scale * LOG2E;
-    const auto dq_accum = gl<float>::contiguous(p.dq_accum, p.batch, p.seq_q, p.heads_q, D);
+    const bool leader = threadIdx.x % 128 == 0;  // issues this consumer's bulk dQ adds
 
     rt_fl<16, D> dk, dv;
     zero(dk);
@@ -128,7 +131,17 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         for (int half = 0; half < config::CONSUMERS; half++)
           warpgroup::mma_AtB(dq, s.ds[buf][half], s.k[half], 64 * chunk, half > 0);
         warpgroup::wait<0>();
-        atomic_add(dq_accum, dq, {b, h, q0 + 16 * warp}, 64 * chunk);
+        // The chunk goes out through shared memory: once the previous bulk add has read the
+        // buffer, every warp writes its rows, then the leader adds the whole 64 x 64 tile.
+        if (leader) tma::wait_group_read<0>();
+        named_barrier_sync(2 + consumer, 128);
+        store(s.dq[consumer], dq, 16 * warp, 0);
+        warpgroup::fence_shared_to_async();
+        named_barrier_sync(2 + consumer, 128);
+        if (leader) {
+          tma::store_add_async(args.dq_accum, &s.dq[consumer], 0, q0, 2 * chunk, h, b);
+          tma::commit_group();
+        }
       }
       warpgroup::wait<0>();  // dK's product has read this stage's Q
       s.stages.release(i);
@@ -138,6 +151,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     const auto dV = gl<T>::contiguous((T*)p.dv, p.batch, p.seq_k, p.heads_kv, D);
     store(dK, dk, {b, kv_h, key0});
     store(dV, dv, {b, kv_h, key0});
+    if (leader) tma::wait_group<0>();  // the last bulk adds have landed before the block exits
   }
 }
 

@@ -13,6 +13,7 @@ using namespace kittens;
 
 struct BackwardArgs {
   CUtensorMap q, k, v, dout;  // boxes: BACKWARD_Q_TILE query rows, the kernel's key rows
+  CUtensorMap dq_accum;       // fp32, boxes of BACKWARD_Q_TILE rows x 64 columns (bulk adds)
   BackwardParams p;
 };
 
@@ -24,7 +25,8 @@ cudaError_t prepare_backward(BackwardArgs& args, const BackwardParams& p, int kv
   if (!tma::make_bshd_map(&args.q, p.q, bf, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE) ||
       !tma::make_bshd_map(&args.dout, p.dout, bf, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE) ||
       !tma::make_bshd_map(&args.k, p.k, bf, p.batch, p.seq_k, p.heads_kv, D, kv_rows) ||
-      !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, kv_rows))
+      !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, kv_rows) ||
+      !tma::make_bshd_map_f32(&args.dq_accum, p.dq_accum, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE, 64))
     return cudaErrorInvalidValue;
   const size_t dq_bytes = size_t(p.batch) * p.seq_q * p.heads_q * D * sizeof(float);
   return cudaMemsetAsync(p.dq_accum, 0, dq_bytes, stream);

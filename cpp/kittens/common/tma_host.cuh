@@ -24,25 +24,40 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   return fn;
 }
 
-// A map over a contiguous [batch, seq, heads, dim] tensor of 16-bit values (dim a multiple
-// of 64) whose box is `box_rows` x dim at one (batch, head). The box is described as
-// (64 columns, rows, dim / 64 panels) so that it lands panel by panel, which is the shared
-// tile layout of st<T, box_rows, dim>. Rows past `seq` read as zeros.
-inline bool make_bshd_map(CUtensorMap* map, const void* ptr, bool bf16, int batch, int seq, int heads, int dim,
-                          int box_rows) {
+// A map over a contiguous [batch, seq, heads, dim] tensor whose box is `box_rows` x
+// `box_cols` at one (batch, head): described as (panel columns, rows, box_cols / panel
+// columns panels), a panel being 128 bytes of a row (64 16-bit or 32 fp32 values), so that it
+// lands panel by panel: the shared tile layout of st<T, box_rows, box_cols>. Rows past `seq`
+// read as zeros and are not written. dim and box_cols must be multiples of the panel width.
+inline bool make_bshd_map(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, int element_bytes,
+                          int batch, int seq, int heads, int dim, int box_rows, int box_cols) {
   auto encode = encoder();
-  if (!encode || dim % 64 != 0) return false;
-  const uint64_t e = 2;  // bytes per element
-  const cuuint64_t dims[5] = {64, cuuint64_t(seq), cuuint64_t(dim / 64), cuuint64_t(heads), cuuint64_t(batch)};
-  const cuuint64_t strides[4] = {uint64_t(heads) * dim * e, 64 * e, uint64_t(dim) * e,
+  const int panel = 128 / element_bytes;
+  if (!encode || dim % panel != 0 || box_cols % panel != 0 || box_cols > dim) return false;
+  const uint64_t e = uint64_t(element_bytes);
+  const cuuint64_t dims[5] = {cuuint64_t(panel), cuuint64_t(seq), cuuint64_t(dim / panel), cuuint64_t(heads),
+                              cuuint64_t(batch)};
+  const cuuint64_t strides[4] = {uint64_t(heads) * dim * e, panel * e, uint64_t(dim) * e,
                                  uint64_t(seq) * heads * dim * e};
-  const cuuint32_t box[5] = {64, cuuint32_t(box_rows), cuuint32_t(dim / 64), 1, 1};
+  const cuuint32_t box[5] = {cuuint32_t(panel), cuuint32_t(box_rows), cuuint32_t(box_cols / panel), 1, 1};
   const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
-  const CUresult r = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
-                            const_cast<void*>(ptr), dims, strides, box, element_strides,
+  const CUresult r = encode(map, type, 5, const_cast<void*>(ptr), dims, strides, box, element_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
+}
+
+// The 16-bit case with the whole row in the box (Q, K, V, dO tiles).
+inline bool make_bshd_map(CUtensorMap* map, const void* ptr, bool bf16, int batch, int seq, int heads, int dim,
+                          int box_rows) {
+  return make_bshd_map(map, ptr, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                       batch, seq, heads, dim, box_rows, dim);
+}
+
+// fp32 tensors (e.g. a gradient accumulator), a box of `box_cols` columns.
+inline bool make_bshd_map_f32(CUtensorMap* map, const float* ptr, int batch, int seq, int heads, int dim,
+                              int box_rows, int box_cols) {
+  return make_bshd_map(map, ptr, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, batch, seq, heads, dim, box_rows, box_cols);
 }
 
 }  // namespace kittens::tma

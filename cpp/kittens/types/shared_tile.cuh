@@ -13,7 +13,7 @@ namespace kittens {
 
 template <typename T, int Rows, int Cols>
 struct st {
-  static_assert(is_16bit<T>, "shared tiles hold 16-bit values");
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "shared tiles hold 16-bit or fp32 values");
   static_assert(Rows % 8 == 0 && Cols % 16 == 0, "shared tiles are 8-row, 16-column multiples");
   using dtype = T;
   static constexpr int rows = Rows, cols = Cols;

@@ -71,7 +71,7 @@ __device__ __forceinline__ void load(col_vec<Cols>& dst, const float* v) {
     for (int h = 0; h < 2; h++) dst.data[j][h] = *reinterpret_cast<const float2*>(v + 16 * j + fragment_col(2 * h, 0));
 }
 
-// Register tile (row layout, any element type) into a shared tile of 16-bit values.
+// Register tile (row layout, any element type) into a shared tile (16-bit or fp32 values).
 template <typename T, typename U, int R, int C, int SR, int SC>
 __device__ __forceinline__ void store(st<T, SR, SC>& dst, const rt<U, R, C, layout::row>& src, int row0 = 0,
                                       int col0 = 0) {

@@ -52,4 +52,26 @@ __device__ __forceinline__ void load_async(void* dst, const CUtensorMap& map, ba
       : "memory");
 }
 
+// Add the shared tile `src` into the box at (c0..c4) of the global tensor `map` (fp32 add in
+// L2, rows outside the tensor skipped). Asynchronous: commit_group() closes a group of these,
+// wait_group_read<N>() waits until all but the newest N groups have read their shared source,
+// wait_group<N>() until they have also completed in global memory.
+__device__ __forceinline__ void store_add_async(const CUtensorMap& map, const void* src, int c0, int c1, int c2,
+                                                int c3, int c4) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.5d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4, %5}], [%6];\n" ::"l"(
+          reinterpret_cast<uint64_t>(&map)),
+      "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(shared_addr(src))
+      : "memory");
+}
+__device__ __forceinline__ void commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int Pending>
+__device__ __forceinline__ void wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(Pending) : "memory");
+}
+template <int Pending>
+__device__ __forceinline__ void wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(Pending) : "memory");
+}
+
 }  // namespace kittens::tma
