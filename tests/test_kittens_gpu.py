@@ -81,10 +81,13 @@ def test_producer_consumer_ring(kernels, rng):
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_fp32_shared_tiles_and_bulk_add(kernels, rng):
-    """Registers -> swizzled fp32 shared tiles -> two rounds of TMA bulk adds into a [50, 128]
-    tensor: every element gets 2 x, and the box's rows past 50 are clipped, not written."""
+def test_fp32_shared_tiles_bulk_store_and_add(kernels, rng):
+    """Registers -> swizzled fp32 shared tiles -> one TMA bulk store and two rounds of TMA bulk
+    adds into [50, 128] tensors: the copy is x exactly, every element of the sum gets 2 x, and
+    the box's rows past 50 are clipped, not written."""
     base = rng.standard_normal((50, 128)).astype(np.float32)
     x = rng.standard_normal((64, 128)).astype(np.float32)
-    out = _call("tk_test_bulk_add", jax.ShapeDtypeStruct((50, 128), jnp.float32), jnp.asarray(base), jnp.asarray(x))
+    shape = jax.ShapeDtypeStruct((50, 128), jnp.float32)
+    out, copy = _call("tk_test_bulk_add", (shape, shape), jnp.asarray(base), jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(copy), x[:50])
     np.testing.assert_allclose(np.asarray(out), base.astype(np.float64) + 2 * x[:50], rtol=1e-6, atol=1e-6)

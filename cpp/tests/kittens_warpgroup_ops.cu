@@ -128,11 +128,13 @@ ffi::Error Ring(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Result<ffi::
   return ffi::Error::Success();
 }
 
-// ---- fp32 shared tiles and TMA bulk adds: out = base + 2 x[:50], added twice in two groups ----
+// ---- fp32 shared tiles and TMA bulk stores / adds: copy = x[:50]; out = base + 2 x[:50], added
+// twice in two groups ----
 constexpr int BULK_ROWS = 50, BULK_COLS = 128;  // the global tensor; boxes of 64 rows x 64 columns
 
 struct BulkAddArgs {
-  CUtensorMap out;  // fp32 [BULK_ROWS, BULK_COLS]
+  CUtensorMap out;   // fp32 [BULK_ROWS, BULK_COLS]
+  CUtensorMap copy;  // fp32 [BULK_ROWS, BULK_COLS]
   const float* x;   // fp32 [64, BULK_COLS]: rows past BULK_ROWS must be clipped by the copy engine
 };
 
@@ -152,6 +154,8 @@ __global__ void __launch_bounds__(128) bulk_add_kernel(const __grid_constant__ B
   warpgroup::fence_shared_to_async();
   __syncthreads();
   if (threadIdx.x == 0) {
+    for (int chunk = 0; chunk < BULK_COLS / 64; chunk++) tma::store_async(args.copy, &s.tile[chunk], 0, 0, 2 * chunk, 0, 0);
+    tma::commit_group();
     for (int round = 0; round < 2; round++) {
       for (int chunk = 0; chunk < BULK_COLS / 64; chunk++)
         tma::store_add_async(args.out, &s.tile[chunk], 0, 0, 2 * chunk, 0, 0);
@@ -162,14 +166,15 @@ __global__ void __launch_bounds__(128) bulk_add_kernel(const __grid_constant__ B
 }
 
 ffi::Error BulkAdd(cudaStream_t stream, ffi::Buffer<ffi::F32> base, ffi::Buffer<ffi::F32> x,
-                   ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                   ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> copy) {
   if (base.element_count() != BULK_ROWS * BULK_COLS || x.element_count() != 64 * BULK_COLS)
     return ffi::Error::InvalidArgument("base must be [50, 128], x [64, 128]");
   const size_t bytes = size_t(BULK_ROWS) * BULK_COLS * sizeof(float);
   if (cudaMemcpyAsync(out->typed_data(), base.typed_data(), bytes, cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
     return ffi::Error::Internal("tk_test_bulk_add: copy failed");
   BulkAddArgs args{};
-  if (!tma::make_bshd_map_f32(&args.out, out->typed_data(), 1, BULK_ROWS, 1, BULK_COLS, 64, 64))
+  if (!tma::make_bshd_map_f32(&args.out, out->typed_data(), 1, BULK_ROWS, 1, BULK_COLS, 64, 64) ||
+      !tma::make_bshd_map_f32(&args.copy, copy->typed_data(), 1, BULK_ROWS, 1, BULK_COLS, 64, 64))
     return ffi::Error::Internal("tk_test_bulk_add: tensor map encoding failed");
   args.x = x.typed_data();
   const int smem = int(sizeof(bulk_add_shared)) + 1024;
@@ -191,6 +196,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_bulk_add, BulkAdd,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_wgmma, Wgmma,

@@ -52,6 +52,17 @@ __device__ __forceinline__ void load_async(void* dst, const CUtensorMap& map, ba
       : "memory");
 }
 
+// Store the shared tile `src` to the box at (c0..c4) of the global tensor `map` (rows outside
+// the tensor skipped). Asynchronous and grouped like store_add_async below.
+__device__ __forceinline__ void store_async(const CUtensorMap& map, const void* src, int c0, int c1, int c2, int c3,
+                                            int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4, %5}], [%6];\n" ::"l"(
+          reinterpret_cast<uint64_t>(&map)),
+      "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(shared_addr(src))
+      : "memory");
+}
+
 // Add the shared tile `src` into the box at (c0..c4) of the global tensor `map` (fp32 add in
 // L2, rows outside the tensor skipped). Asynchronous: commit_group() closes a group of these,
 // wait_group_read<N>() waits until all but the newest N groups have read their shared source,
