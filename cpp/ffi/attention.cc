@@ -145,6 +145,10 @@ ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
 
 }  // namespace
 
+// kCmdBufferCompatible: XLA may record these calls into a CUDA graph and replay it. Safe: the
+// handlers only check shapes, build TMA tensor maps on the host (no stream work) and enqueue
+// kernels / cudaMemsetAsync on the given stream; no host sync, no allocation, no host reads of
+// device data (the dq accumulator is an explicit output). tests/test_command_buffer_gpu.py.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_bwd, AttentionBackward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -159,7 +163,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_bwd, AttentionBackward,
                                   .Ret<ffi::AnyBuffer>()            // dv
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right"));
+                                  .Attr<int64_t>("window_right"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_fwd, AttentionForward,
                               ffi::Ffi::Bind()
@@ -172,4 +177,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_fwd, AttentionForward,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window_left")
                                   .Attr<int64_t>("window_right")
-                                  .Attr<int64_t>("variant"));  // 0: TMA + wgmma, 1: mma.sync
+                                  .Attr<int64_t>("variant"),  // 0: TMA + wgmma, 1: mma.sync
+                              {ffi::Traits::kCmdBufferCompatible});

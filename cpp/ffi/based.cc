@@ -220,6 +220,10 @@ ffi::Error BasedDecode(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 
 }  // namespace
 
+// kCmdBufferCompatible: XLA may record these calls into a CUDA graph and replay it. Safe: the
+// handlers only check shapes and enqueue kernels / cudaMemsetAsync on the given stream; no host
+// sync, no allocation, no host reads of device data (the dq/dk partial sums are explicit
+// outputs). tests/test_command_buffer_gpu.py.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_fwd, BasedForward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -233,7 +237,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_fwd, BasedForward,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // z
                                   .Ret<ffi::Buffer<ffi::F32>>()   // den
                                   .Attr<int64_t>("normalize")     // 0 or 1
-                                  .Attr<float>("eps"));
+                                  .Attr<float>("eps"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_bwd, BasedBackward,
                               ffi::Ffi::Bind()
@@ -253,7 +258,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_bwd, BasedBackward,
                                   .Ret<ffi::AnyBuffer>()          // dv
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dS0
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dz0
-                                  .Attr<int64_t>("with_dq"));     // 0: skip the dq sweep, dq_parts = 0
+                                  .Attr<int64_t>("with_dq"),      // 0: skip the dq sweep, dq_parts = 0
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_decode, BasedDecode,
                               ffi::Ffi::Bind()
@@ -267,4 +273,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_based_decode, BasedDecode,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // S'
                                   .Ret<ffi::Buffer<ffi::F32>>()   // z'
                                   .Attr<int64_t>("normalize")     // 0 or 1
-                                  .Attr<float>("eps"));
+                                  .Attr<float>("eps"),
+                              {ffi::Traits::kCmdBufferCompatible});
