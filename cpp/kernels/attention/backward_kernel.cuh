@@ -116,8 +116,8 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       copy(ds_16, dprobs);
       warpgroup::mma_AB(dk, ds_16, q_tile, true);  // dK += dS^T Q
 
-      // dQ += dS K over all 128 keys of the block, so each dQ element gets one atomic add per
-      // block: both consumers publish dS^T, then each takes 64-column chunks of dQ in turn.
+      // dQ += dS K over all 128 keys of the block, so each dQ element gets one add per block:
+      // both consumers publish dS^T, then each takes 64-column chunks of dQ in turn.
       // dS^T is double-buffered by step parity: a buffer is rewritten two steps later, when
       // both consumers have passed the barrier after their last product that read it.
       const int buf = i & 1;

@@ -1,8 +1,8 @@
 // The producer/consumer ring: STAGES shared-memory slots that one producer thread fills with
 // TMA copies and consumer warps drain. Each slot has a "full" barrier (the producer's arrival
 // with the bytes to expect; the copy engine completes it) and an "empty" barrier (one arrival
-// per consumer warp). Uses are numbered i = 0, 1, 2, ... over the kernel's life (across the
-// work items of a persistent block, too): use i takes slot i % STAGES at phase (i / STAGES) & 1.
+// per consumer warp). Uses are numbered i = 0, 1, 2, ... over the kernel's life: use i takes
+// slot i % STAGES at phase (i / STAGES) & 1.
 // The tiles themselves live beside the ring; this holds only the synchronisation.
 #pragma once
 
