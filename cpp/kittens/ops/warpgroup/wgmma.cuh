@@ -24,8 +24,10 @@ template <int Pending>
 __device__ __forceinline__ void wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
 }
-// Index of this thread's warpgroup, and of its warp inside the group.
-__device__ __forceinline__ int groupid() { return threadIdx.x / 128; }
+// Index of this thread's warpgroup, and of its warp inside the group. groupid() is broadcast
+// from lane 0 so the compiler knows it is warp-uniform and keeps what derives from it (tile
+// addresses, wgmma descriptors) in uniform registers. Call it with the whole warp converged.
+__device__ __forceinline__ int groupid() { return __shfl_sync(0xffffffff, threadIdx.x / 128, 0); }
 __device__ __forceinline__ int warp_in_group() { return (threadIdx.x / 32) % 4; }
 
 // Register reallocation between warpgroups (needs __launch_bounds__(threads, 1)).
@@ -41,9 +43,18 @@ __device__ __forceinline__ void decrease_registers() {
 namespace detail {
 constexpr uint64_t SWIZZLE_128B = 1ull << 62;
 
+// The descriptor's low word holds the start address >> 4 (14 bits: shared memory is under
+// 256 KB) and the leading byte offset; the high word the stride and swizzle mode.
 __device__ __forceinline__ uint64_t descriptor(uint32_t start, uint32_t leading, uint32_t stride) {
   return uint64_t((start & 0x3FFFF) >> 4) | (uint64_t(leading >> 4) << 16) | (uint64_t(stride >> 4) << 32) |
          SWIZZLE_128B;
+}
+// The descriptor of a slice `offset` bytes past a tile's start: one 32-bit add to the tile's
+// descriptor (the start field cannot carry), so the compiler builds each tile's descriptor once
+// and every slice of an unrolled k loop costs a single add.
+__device__ __forceinline__ uint64_t advance(uint64_t tile_descriptor, uint32_t offset) {
+  const uint32_t lo = uint32_t(tile_descriptor) + (offset >> 4), hi = uint32_t(tile_descriptor >> 32);
+  return (uint64_t(hi) << 32) | lo;
 }
 
 // Columns [16k, 16k + 16) of every row: K-major slice `k`.
@@ -51,14 +62,13 @@ template <typename T, int R, int C>
 __device__ __forceinline__ uint64_t k_major(const st<T, R, C>& t, int k) {
   static_assert(st<T, R, C>::swizzle_bytes == 128, "wgmma operands use the 128-byte swizzle");
   const uint32_t col = 16 * k;
-  const uint32_t start = shared_addr(t.data) + (col / 64) * (R * 128) + (col % 64) * sizeof(T);
-  return descriptor(start, 16, 1024);
+  return advance(descriptor(shared_addr(t.data), 16, 1024), (col / 64) * (R * 128) + (col % 64) * sizeof(T));
 }
 // Rows [16k, 16k + 16), columns from `col0` (a multiple of 64) on: MN-major slice `k`.
 template <typename T, int R, int C>
 __device__ __forceinline__ uint64_t mn_major(const st<T, R, C>& t, int k, int col0 = 0) {
   static_assert(st<T, R, C>::swizzle_bytes == 128, "wgmma operands use the 128-byte swizzle");
-  return descriptor(shared_addr(t.data) + (col0 / 64) * (R * 128) + 16 * k * 128, R * 128, 1024);
+  return advance(descriptor(shared_addr(t.data), R * 128, 1024), (col0 / 64) * (R * 128) + 16 * k * 128);
 }
 
 template <typename T, int N, int TransA, int TransB>
