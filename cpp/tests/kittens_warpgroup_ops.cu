@@ -74,19 +74,16 @@ ffi::Error Wgmma(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
-// ---- the producer/consumer ring: 5 tiles, each with a row of column scales (a plain bulk
-// copy), through 2 slots; out = sum_i (i + 1) x_i diag(scales_i) ----
+// ---- the producer/consumer ring: 5 tiles through 2 slots; out = sum_i (i + 1) x_i ----
 constexpr int RING_TILES = 5;
 
 struct RingTestArgs {
-  CUtensorMap x;        // bf16 [RING_TILES * 64, 64], boxes of 64 rows
-  const float* scales;  // [RING_TILES, 64]
-  float* out;           // [64, 64]
+  CUtensorMap x;  // bf16 [RING_TILES * 64, 64], boxes of 64 rows
+  float* out;     // [64, 64]
 };
 
 struct ring_test_shared {
   st<bf16, 64, 64> tile[2];
-  alignas(16) float scales[2][64];
   ring<2> slots;
 };
 
@@ -100,12 +97,8 @@ __global__ void __launch_bounds__(256) ring_test_kernel(const __grid_constant__ 
   __syncthreads();
   if (warpgroup::groupid() == 0) {  // producer: one thread
     if (threadIdx.x == 0)
-      for (int i = 0; i < RING_TILES; i++) {
-        const int slot = s.slots.slot(i);
-        tma::barrier& full = s.slots.fill(i, sizeof(s.tile[0]) + sizeof(s.scales[0]));
-        tma::load_async(&s.tile[slot], args.x, full, 0, 64 * i, 0, 0, 0);
-        tma::load_bulk_async(s.scales[slot], args.scales + 64 * i, sizeof(s.scales[0]), full);
-      }
+      for (int i = 0; i < RING_TILES; i++)
+        tma::load_async(&s.tile[s.slots.slot(i)], args.x, s.slots.fill(i, sizeof(s.tile[0])), 0, 64 * i, 0, 0, 0);
     return;
   }
   const int row0 = 16 * warpgroup::warp_in_group();
@@ -113,27 +106,21 @@ __global__ void __launch_bounds__(256) ring_test_kernel(const __grid_constant__ 
   zero(sum);
   for (int i = 0; i < RING_TILES; i++) {  // weights (i + 1): each use must see its own tile
     rt<bf16, 16, 64> t;
-    col_vec<64> scales;
-    const int slot = s.slots.acquire(i);
-    load(t, s.tile[slot], row0, 0);
-    load(scales, s.scales[slot]);
-    s.slots.release_after_loads(i);
+    load(t, s.tile[s.slots.acquire(i)], row0, 0);
+    s.slots.release(i);
     rt_fl<16, 64> f;
     copy(f, t);
-    map_cols(f, scales, [=](float x, float scale) { return x * scale * float(i + 1); });
+    mul(f, float(i + 1));
     add(sum, f);
   }
   store(gl<float>::contiguous(args.out, 1, 64, 1, 64), sum, {0, 0, row0});
 }
 
-ffi::Error Ring(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> scales,
-                ffi::Result<ffi::Buffer<ffi::F32>> out) {
+ffi::Error Ring(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   if (x.element_count() != RING_TILES * 64 * 64) return ffi::Error::InvalidArgument("x must be [320, 64]");
-  if (scales.element_count() != RING_TILES * 64) return ffi::Error::InvalidArgument("scales must be [5, 64]");
   RingTestArgs args{};
   if (!tma::make_bshd_map(&args.x, x.untyped_data(), true, 1, RING_TILES * 64, 1, 64, 64))
     return ffi::Error::Internal("tk_test_ring: tensor map encoding failed");
-  args.scales = scales.typed_data();
   args.out = out->typed_data();
   const int smem = int(sizeof(ring_test_shared)) + 1024;
   const cudaError_t err = launch_with_shared<ring_test_kernel>(1, 256, smem, stream, args);
@@ -202,7 +189,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_ring, Ring,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_bulk_add, BulkAdd,

@@ -40,13 +40,6 @@ struct ring {
     __syncwarp();
     if (laneid() == 0) tma::arrive(empty[i % STAGES]);
   }
-  // Release for consumers that also read the slot with ordinary loads (ld.shared, ldmatrix),
-  // not only through wgmma: a proxy fence orders those generic reads before the copy engine's
-  // next write into the slot (a write-after-read across proxies).
-  __device__ void release_after_loads(int i) {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    release(i);
-  }
 };
 
 }  // namespace kittens
