@@ -82,6 +82,22 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     const float c = p.scale * LOG2E;
     const bool leader = threadIdx.x % 128 == 0;  // issues this consumer's bulk dQ adds
 
+    // dQ += dS K over all 128 keys of the block, so each dQ element gets one add per block:
+    // both consumers publish dS^T, then consumer c takes dQ's 64-column chunk c (at D = 64
+    // only consumer 0 has one). The chunk goes out through shared memory and one TMA bulk
+    // add; the rows are written at the end of a step, and the fence, barrier and add wait for
+    // the next step's first products to be issued, so they run under those.
+    static_assert(D / 64 <= config::CONSUMERS, "one dQ chunk per consumer at most");
+    const bool has_chunk = consumer < D / 64;
+    auto issue_dq_add = [&](int h, int q0) {  // every warp has written its rows of s.dq
+      warpgroup::fence_shared_to_async();
+      named_barrier_sync(2 + consumer, 128);
+      if (leader) {
+        tma::store_add_async(args.dq_accum, &s.dq[consumer], 0, q0, 2 * consumer, h, b);
+        tma::commit_group();
+      }
+    };
+
     rt_fl<16, D> dk, dv;
     zero(dk);
     zero(dv);
@@ -98,6 +114,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       rt_fl<16, QT> probs, dprobs;
       warpgroup::mma_ABt(probs, s.k[consumer], q_tile, false);
       warpgroup::mma_ABt(dprobs, s.v[consumer], dout_tile, false);
+      if (i > 0 && has_chunk) issue_dq_add(walk.head(i - 1), walk.q0(i - 1));  // the previous step's chunk
       col_vec<QT> lse, delta;
       load(lse, p.lse + stats_offset(p, walk, b, i));
       warpgroup::wait<1>();  // S^T is ready
@@ -116,36 +133,27 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       copy(ds_16, dprobs);
       warpgroup::mma_AB(dk, ds_16, q_tile, true);  // dK += dS^T Q
 
-      // dQ += dS K over all 128 keys of the block, so each dQ element gets one add per block:
-      // both consumers publish dS^T, then each takes 64-column chunks of dQ in turn.
       // dS^T is double-buffered by step parity: a buffer is rewritten two steps later, when
       // both consumers have passed the barrier after their last product that read it.
       const int buf = i & 1;
       store(s.ds[buf][consumer], ds_16, 16 * warp, 0);
       warpgroup::fence_shared_to_async();
       named_barrier_sync(1, 128 * config::CONSUMERS);
-#pragma unroll
-      for (int chunk = consumer; chunk < D / 64; chunk += config::CONSUMERS) {
+      if (has_chunk) {
         rt_fl<16, 64> dq;
 #pragma unroll
         for (int half = 0; half < config::CONSUMERS; half++)
-          warpgroup::mma_AtB(dq, s.ds[buf][half], s.k[half], 64 * chunk, half > 0);
+          warpgroup::mma_AtB(dq, s.ds[buf][half], s.k[half], 64 * consumer, half > 0);
         warpgroup::wait<0>();
-        // The chunk goes out through shared memory: once the previous bulk add has read the
-        // buffer, every warp writes its rows, then the leader adds the whole 64 x 64 tile.
+        // Write the rows once the previous bulk add has read the buffer.
         if (leader) tma::wait_group_read<0>();
         named_barrier_sync(2 + consumer, 128);
         store(s.dq[consumer], dq, 16 * warp, 0);
-        warpgroup::fence_shared_to_async();
-        named_barrier_sync(2 + consumer, 128);
-        if (leader) {
-          tma::store_add_async(args.dq_accum, &s.dq[consumer], 0, q0, 2 * chunk, h, b);
-          tma::commit_group();
-        }
       }
       warpgroup::wait<0>();  // dK's product has read this stage's Q
       s.stages.release(i);
     }
+    if (steps > 0 && has_chunk) issue_dq_add(walk.head(steps - 1), walk.q0(steps - 1));
 
     const auto dK = gl<T>::contiguous((T*)p.dk, p.batch, p.seq_k, p.heads_kv, D);
     const auto dV = gl<T>::contiguous((T*)p.dv, p.batch, p.seq_k, p.heads_kv, D);
