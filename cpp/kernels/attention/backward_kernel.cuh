@@ -103,8 +103,9 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     zero(dv);
     if (steps > 0) tma::wait(s.kv_full, 0);
 
-    for (int i = 0; i < steps; i++) {
-      const int h = walk.head(i), q0 = walk.q0(i);
+    query_walk::tile tile = walk.first(), previous = tile;
+    for (int i = 0; i < steps; i++, previous = tile, walk.advance(tile)) {
+      const int h = tile.head, q0 = tile.q0;
       const int stage = s.stages.acquire(i);
       const auto& q_tile = s.stages.q[stage];
       const auto& dout_tile = s.stages.dout[stage];
@@ -114,9 +115,9 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       rt_fl<16, QT> probs, dprobs;
       warpgroup::mma_ABt(probs, s.k[consumer], q_tile, false);
       warpgroup::mma_ABt(dprobs, s.v[consumer], dout_tile, false);
-      if (i > 0 && has_chunk) issue_dq_add(walk.head(i - 1), walk.q0(i - 1));  // the previous step's chunk
+      if (i > 0 && has_chunk) issue_dq_add(previous.head, previous.q0);  // the previous step's chunk
       col_vec<QT> lse, delta;
-      load(lse, p.lse + stats_offset(p, walk, b, i));
+      load(lse, p.lse + stats_offset(p, b, tile));
       warpgroup::wait<1>();  // S^T is ready
       if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
         mask(probs, key0, q0, [&](int kj, int qi) { return mask_band.visible(qi, kj); });
@@ -124,7 +125,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       rt<T, 16, QT> probs_16;
       copy(probs_16, probs);
       warpgroup::mma_AB(dv, probs_16, dout_tile, true);  // dV += P^T dO
-      load(delta, p.delta + stats_offset(p, walk, b, i));
+      load(delta, p.delta + stats_offset(p, b, tile));
       warpgroup::wait<1>();  // dP^T is ready (groups complete in order)
 
       map_cols(dprobs, delta, [=](float dp, float delta) { return (dp - delta) * p.scale; });
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       warpgroup::wait<0>();  // dK's product has read this stage's Q
       s.stages.release(i);
     }
-    if (steps > 0 && has_chunk) issue_dq_add(walk.head(steps - 1), walk.q0(steps - 1));
+    if (steps > 0 && has_chunk) issue_dq_add(previous.head, previous.q0);
 
     const auto dK = gl<T>::contiguous((T*)p.dk, p.batch, p.seq_k, p.heads_kv, D);
     const auto dV = gl<T>::contiguous((T*)p.dv, p.batch, p.seq_k, p.heads_kv, D);

@@ -103,8 +103,9 @@ __global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
   zero(grad);
   if (walk.steps > 0) tma::wait(s.kv_full, 0);
 
-  for (int i = 0; i < walk.steps; i++) {
-    const int h = walk.head(i), q0 = walk.q0(i), buf = i & 1;
+  query_walk::tile tile = walk.first();
+  for (int i = 0; i < walk.steps; i++, walk.advance(tile)) {
+    const int h = tile.head, q0 = tile.q0, buf = i & 1;
     const int stage = s.stages.acquire(i);
     const auto& q_tile = s.stages.q[stage];
     const auto& dout_tile = s.stages.dout[stage];
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
       rt_fl<16, QT> probs;
       warpgroup::mma_ABt(probs, s.k, q_tile, false);
       col_vec<QT> lse;
-      load(lse, p.lse + stats_offset(p, walk, b, i));
+      load(lse, p.lse + stats_offset(p, b, tile));
       warpgroup::wait<0>();
       if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
         mask(probs, key0, q0, [&](int kj, int qi) { return mask_band.visible(qi, kj); });
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
       rt_fl<16, QT> dprobs;
       warpgroup::mma_ABt(dprobs, s.v, dout_tile, false);  // dP^T = V dO^T
       col_vec<QT> delta;
-      load(delta, p.delta + stats_offset(p, walk, b, i));
+      load(delta, p.delta + stats_offset(p, b, tile));
       warpgroup::wait<0>();
       named_barrier_sync(PROBS_READY_BARRIER + warp, 64);
       rt<T, 16, QT> probs_16;

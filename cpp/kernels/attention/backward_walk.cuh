@@ -44,9 +44,19 @@ struct query_walk {
     const int tiles = queries.hi > queries.lo ? (queries.hi + BACKWARD_Q_TILE - 1) / BACKWARD_Q_TILE - first_tile : 0;
     return {kv_h, group, first_tile, tiles, tiles * group};
   }
-  // Query head and first query row of step i.
-  __device__ int head(int i) const { return kv_h * group + i / tiles_per_head; }
-  __device__ int q0(int i) const { return (first_tile + i % tiles_per_head) * BACKWARD_Q_TILE; }
+  // The walk's steps in order: the query tiles of one head, then the next head's. Kernels
+  // advance a cursor step by step instead of dividing the step index.
+  struct tile {
+    int head, q0;  // query head and first query row
+  };
+  __device__ tile first() const { return {kv_h * group, first_tile * BACKWARD_Q_TILE}; }
+  __device__ void advance(tile& t) const {
+    t.q0 += BACKWARD_Q_TILE;
+    if (t.q0 == (first_tile + tiles_per_head) * BACKWARD_Q_TILE) {
+      t.q0 = first_tile * BACKWARD_Q_TILE;
+      t.head++;
+    }
+  }
 };
 
 // The Q and dO tiles of each step, STAGES at a time, through a ring (one use per step).
@@ -58,11 +68,12 @@ struct query_stages {
   __device__ void init(int consumer_warps) { slots.init(consumer_warps); }
   // One thread of the producer issues every copy of the walk.
   __device__ void produce(const query_walk& walk, const CUtensorMap& q_map, const CUtensorMap& dout_map, int b) {
-    for (int i = 0; i < walk.steps; i++) {
-      const int stage = slots.slot(i), h = walk.head(i), q0 = walk.q0(i);
+    query_walk::tile t = walk.first();
+    for (int i = 0; i < walk.steps; i++, walk.advance(t)) {
+      const int stage = slots.slot(i);
       tma::barrier& full = slots.fill(i, sizeof(q[0]) + sizeof(dout[0]));
-      tma::load_async(&q[stage], q_map, full, 0, q0, 0, h, b);
-      tma::load_async(&dout[stage], dout_map, full, 0, q0, 0, h, b);
+      tma::load_async(&q[stage], q_map, full, 0, t.q0, 0, t.head, b);
+      tma::load_async(&dout[stage], dout_map, full, 0, t.q0, 0, t.head, b);
     }
   }
   // Consumers: wait for step i's tiles; release them once the step's last product has read them.
@@ -70,9 +81,9 @@ struct query_stages {
   __device__ void release(int i) { slots.release(i); }
 };
 
-// Where step i's rows start in the lse and delta arrays ([batch, heads_q, seq_q_padded]).
-__device__ __forceinline__ int64_t stats_offset(const BackwardParams& p, const query_walk& walk, int b, int i) {
-  return (int64_t(b) * p.heads_q + walk.head(i)) * p.seq_q_padded + walk.q0(i);
+// Where a query tile's rows start in the lse and delta arrays ([batch, heads_q, seq_q_padded]).
+__device__ __forceinline__ int64_t stats_offset(const BackwardParams& p, int b, query_walk::tile t) {
+  return (int64_t(b) * p.heads_q + t.head) * p.seq_q_padded + t.q0;
 }
 
 }  // namespace tk::attention
