@@ -88,7 +88,6 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     // add; the rows are written at the end of a step, and the fence, barrier and add wait for
     // the next step's first products to be issued, so they run under those.
     static_assert(D / 64 <= config::CONSUMERS, "one dQ chunk per consumer at most");
-    const bool has_chunk = consumer < D / 64;
     auto issue_dq_add = [&](int h, int q0) {  // every warp has written its rows of s.dq
       warpgroup::fence_shared_to_async();
       named_barrier_sync(2 + consumer, 128);
@@ -103,58 +102,69 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     zero(dv);
     if (steps > 0) tma::wait(s.kv_full, 0);
 
-    query_walk::tile tile = walk.first(), previous = tile;
-    for (int i = 0; i < steps; i++, previous = tile, walk.advance(tile)) {
-      const int h = tile.head, q0 = tile.q0;
-      const int stage = s.stages.acquire(i);
-      const auto& q_tile = s.stages.q[stage];
-      const auto& dout_tile = s.stages.dout[stage];
+    // The consumer's sweep, compiled apart for consumers without a dQ chunk (consumer 1 at
+    // D = 64) so that every wgmma wait counts a fixed set of products.
+    auto sweep = [&]<bool has_chunk>() {
+      query_walk::tile tile = walk.first(), previous = tile;
+      for (int i = 0; i < steps; i++, previous = tile, walk.advance(tile)) {
+        const int h = tile.head, q0 = tile.q0;
+        const int stage = s.stages.acquire(i);
+        const auto& q_tile = s.stages.q[stage];
+        const auto& dout_tile = s.stages.dout[stage];
 
-      // S^T and dP^T = V dO^T issued together; P^T from the scores while dP^T is in flight.
-      // lse is +inf on rows that saw nothing, giving P = 0.
-      rt_fl<16, QT> probs, dprobs;
-      warpgroup::mma_ABt(probs, s.k[consumer], q_tile, false);
-      warpgroup::mma_ABt(dprobs, s.v[consumer], dout_tile, false);
-      if (i > 0 && has_chunk) issue_dq_add(previous.head, previous.q0);  // the previous step's chunk
-      col_vec<QT> lse, delta;
-      load(lse, p.lse + stats_offset(p, b, tile));
-      warpgroup::wait<1>();  // S^T is ready
-      if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
-        mask(probs, key0, q0, [&](int kj, int qi) { return mask_band.visible(qi, kj); });
-      map_cols(probs, lse, [=](float x, float lse) { return fast_exp2(c * x - LOG2E * lse); });
-      rt<T, 16, QT> probs_16;
-      copy(probs_16, probs);
-      warpgroup::mma_AB(dv, probs_16, dout_tile, true);  // dV += P^T dO
-      load(delta, p.delta + stats_offset(p, b, tile));
-      warpgroup::wait<1>();  // dP^T is ready (groups complete in order)
+        // S^T and dP^T = V dO^T issued together; P^T from the scores while dP^T is in flight.
+        // lse is +inf on rows that saw nothing, giving P = 0.
+        rt_fl<16, QT> probs, dprobs;
+        warpgroup::mma_ABt(probs, s.k[consumer], q_tile, false);
+        warpgroup::mma_ABt(dprobs, s.v[consumer], dout_tile, false);
+        if (has_chunk && i > 0) issue_dq_add(previous.head, previous.q0);  // the previous step's chunk
+        col_vec<QT> lse, delta;
+        load(lse, p.lse + stats_offset(p, b, tile));
+        warpgroup::wait<1>();  // S^T is ready
+        if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
+          mask(probs, key0, q0, [&](int kj, int qi) { return mask_band.visible(qi, kj); });
+        map_cols(probs, lse, [=](float x, float lse) { return fast_exp2(c * x - LOG2E * lse); });
+        rt<T, 16, QT> probs_16;
+        copy(probs_16, probs);
+        warpgroup::mma_AB(dv, probs_16, dout_tile, true);  // dV += P^T dO
+        load(delta, p.delta + stats_offset(p, b, tile));
+        warpgroup::wait<1>();  // dP^T is ready (groups complete in order)
 
-      map_cols(dprobs, delta, [=](float dp, float delta) { return (dp - delta) * p.scale; });
-      mul(dprobs, probs);  // dS^T (scaled)
-      rt<T, 16, QT> ds_16;
-      copy(ds_16, dprobs);
-      warpgroup::mma_AB(dk, ds_16, q_tile, true);  // dK += dS^T Q
+        map_cols(dprobs, delta, [=](float dp, float delta) { return (dp - delta) * p.scale; });
+        mul(dprobs, probs);  // dS^T (scaled)
+        rt<T, 16, QT> ds_16;
+        copy(ds_16, dprobs);
 
-      // dS^T is double-buffered by step parity: a buffer is rewritten two steps later, when
-      // both consumers have passed the barrier after their last product that read it.
-      const int buf = i & 1;
-      store(s.ds[buf][consumer], ds_16, 16 * warp, 0);
-      warpgroup::fence_shared_to_async();
-      named_barrier_sync(1, 128 * config::CONSUMERS);
-      if (has_chunk) {
+        // dS^T is double-buffered by step parity: a buffer is rewritten two steps later, when
+        // both consumers have passed the barrier after their last product that read it.
+        // dQ's product goes first after the barrier, so its rows are written out while
+        // dK's product runs.
+        const int buf = i & 1;
+        store(s.ds[buf][consumer], ds_16, 16 * warp, 0);
+        warpgroup::fence_shared_to_async();
+        named_barrier_sync(1, 128 * config::CONSUMERS);
         rt_fl<16, 64> dq;
+        if constexpr (has_chunk) {
 #pragma unroll
-        for (int half = 0; half < config::CONSUMERS; half++)
-          warpgroup::mma_AtB(dq, s.ds[buf][half], s.k[half], 64 * consumer, half > 0);
-        warpgroup::wait<0>();
-        // Write the rows once the previous bulk add has read the buffer.
-        if (leader) tma::wait_group_read<0>();
-        named_barrier_sync(2 + consumer, 128);
-        store(s.dq[consumer], dq, 16 * warp, 0);
+          for (int half = 0; half < config::CONSUMERS; half++)
+            warpgroup::mma_AtB(dq, s.ds[buf][half], s.k[half], 64 * consumer, half > 0);
+        }
+        warpgroup::mma_AB(dk, ds_16, q_tile, true);  // dK += dS^T Q
+        if constexpr (has_chunk) {
+          warpgroup::wait<1>();  // dQ is ready
+          // Write the rows once the previous bulk add has read the buffer.
+          if (leader) tma::wait_group_read<0>();
+          named_barrier_sync(2 + consumer, 128);
+          store(s.dq[consumer], dq, 16 * warp, 0);
+        }
+        warpgroup::wait<0>();  // dK's product has read this stage's Q
+        s.stages.release(i);
       }
-      warpgroup::wait<0>();  // dK's product has read this stage's Q
-      s.stages.release(i);
-    }
-    if (steps > 0 && has_chunk) issue_dq_add(previous.head, previous.q0);
+      if (has_chunk && steps > 0) issue_dq_add(previous.head, previous.q0);
+    };
+    if constexpr (D / 64 == config::CONSUMERS) sweep.template operator()<true>();
+    else if (consumer < D / 64) sweep.template operator()<true>();
+    else sweep.template operator()<false>();
 
     const auto dK = gl<T>::contiguous((T*)p.dk, p.batch, p.seq_k, p.heads_kv, D);
     const auto dV = gl<T>::contiguous((T*)p.dv, p.batch, p.seq_k, p.heads_kv, D);
