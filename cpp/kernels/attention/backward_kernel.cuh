@@ -31,6 +31,7 @@ struct backward_config {
   static constexpr int Q_ROWS = BACKWARD_Q_TILE;
   static constexpr int STAGES = 2;
   static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+  static_assert(warpgroup::registers_fit(1, PRODUCER_REGS, CONSUMERS, CONSUMER_REGS));
 };
 
 template <typename T, int D>

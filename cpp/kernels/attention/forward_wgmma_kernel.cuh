@@ -34,6 +34,7 @@ struct wgmma_forward_config {
   // with the next tile's scores computed early, K_{i+1} must have landed one step sooner.
   static constexpr int STAGES = D <= 128 ? 3 : 2;
   static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+  static_assert(warpgroup::registers_fit(1, PRODUCER_REGS, CONSUMERS, CONSUMER_REGS));
 };
 
 template <typename T, int D>

@@ -31,6 +31,14 @@ __device__ __forceinline__ int groupid() { return __shfl_sync(0xffffffff, thread
 __device__ __forceinline__ int warp_in_group() { return (threadIdx.x / 32) % 4; }
 
 // Register reallocation between warpgroups (needs __launch_bounds__(threads, 1)).
+// setmaxnreg only moves registers inside the block's launch allocation: each thread starts
+// with 65536 / threads rounded down to a multiple of 8, and an increase the freed registers
+// cannot cover waits forever. Kernels check their split with registers_fit at compile time.
+constexpr bool registers_fit(int producer_groups, int producer_regs, int consumer_groups, int consumer_regs) {
+  const int groups = producer_groups + consumer_groups;
+  const int at_launch = 65536 / (128 * groups) / 8 * 8;
+  return producer_groups * producer_regs + consumer_groups * consumer_regs <= groups * at_launch;
+}
 template <int Regs>
 __device__ __forceinline__ void increase_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Regs));
