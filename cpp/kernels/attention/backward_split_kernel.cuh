@@ -27,7 +27,7 @@ struct split_backward_config {
   static constexpr int Q_ROWS = BACKWARD_Q_TILE;
   static constexpr int STAGES = 2;
   static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
-  static_assert(warpgroup::registers_fit(1, PRODUCER_REGS, 2, CONSUMER_REGS));
+  static_assert(warpgroup::registers_fit(1, PRODUCER_REGS, THREADS / 128 - 1, CONSUMER_REGS));
   static constexpr int CONSUMER_WARPS = 8;
 };
 

@@ -57,7 +57,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
     wgmma_forward_kernel(const __grid_constant__ WgmmaForwardArgs args) {
   using config = wgmma_forward_config<D>;
-  constexpr int KV = config::KV_ROWS, STAGES = config::STAGES;
+  constexpr int KV = config::KV_ROWS;
   const ForwardParams& p = args.p;
   extern __shared__ char smem_raw[];
   auto& s = aligned_shared<wgmma_forward_shared<T, D>>(smem_raw);
@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
       tma::expect_bytes(s.q_full, config::CONSUMERS * sizeof(s.q[0]));
       for (int c = 0; c < config::CONSUMERS; c++) tma::load_async(&s.q[c], args.q, s.q_full, 0, q0 + 64 * c, 0, h, b);
       for (int tile = first_tile, i = 0; tile < end_tile; tile++, i++) {
-        const int stage = i % STAGES;
+        const int stage = s.k_ring.slot(i);  // V's ring has the same slots
         tma::load_async(&s.k[stage], args.k, s.k_ring.fill(i, sizeof(s.k[0])), 0, tile * KV, 0, kv_h, b);
         tma::load_async(&s.v[stage], args.v, s.v_ring.fill(i, sizeof(s.v[0])), 0, tile * KV, 0, kv_h, b);
       }
