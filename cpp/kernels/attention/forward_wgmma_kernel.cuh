@@ -1,9 +1,10 @@
 // Flash attention forward for Hopper: TMA loads, wgmma, warp specialisation.
 //
-// A block has three warpgroups. Warpgroup 0 is the producer: one thread streams Q once and
-// then K and V tiles of 128 keys through a ring of shared-memory stages with TMA, each stage
-// guarded by "full" barriers (the copy engine completes them) and an "empty" barrier (the
-// consumers release it). Warpgroups 1 and 2 are consumers, 64 query rows each:
+// The work comes in items: a 128-row query block of one (batch, head) and the key tiles its
+// band can see. A block has three warpgroups. Warpgroup 0 is the producer: one thread loads an
+// item's Q and streams its K and V tiles of 128 keys through rings of shared-memory stages with
+// TMA, each stage guarded by a "full" barrier (the copy engine completes it) and an "empty"
+// barrier (the consumers release it). Warpgroups 1 and 2 are consumers, 64 query rows each:
 //   S = Q K^T                                   (wgmma, Q and K from shared memory)
 //   m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
 //   O = 2^(c m - c m') O + P V                  (wgmma, P from registers, V from shared)
@@ -12,7 +13,14 @@
 // cores work on the other's product. Registers move from the producer (which needs few) to
 // the consumers with setmaxnreg. Tiles outside the causal / window band are never loaded;
 // only tiles crossing its edges or the end of the keys are masked.
+//
+// Two grids share that code. Where the keys are many, a plain grid runs one item per block.
+// Where they are few, an item is short next to a block's start-up and write-out, so a
+// persistent grid of one block per SM walks the items, and the next item's Q and first tiles
+// load while the current one finishes.
 #pragma once
+
+#include <algorithm>
 
 #include "../../kittens/kittens.cuh"
 #include "attention.h"
@@ -35,6 +43,9 @@ struct wgmma_forward_config {
   static constexpr int STAGES = D <= 128 ? 3 : 2;
   static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
   static_assert(warpgroup::registers_fit(1, PRODUCER_REGS, CONSUMERS, CONSUMER_REGS));
+  // Up to this many keys the persistent grid runs (measured on an H100 in bench/NOTES.md,
+  // session 9: +4-30% up to 2048 keys; beyond that the plain grid is as fast or faster).
+  static constexpr int PERSISTENT_MAX_KEYS = 2048;
 };
 
 template <typename T, int D>
@@ -42,7 +53,9 @@ struct wgmma_forward_shared {
   using config = wgmma_forward_config<D>;
   st<T, 64, D> q[config::CONSUMERS];
   st<T, config::KV_ROWS, D> k[config::STAGES], v[config::STAGES];
-  tma::barrier q_full;
+  // Q has a one-slot ring: in a persistent walk the consumers release it once an item's last
+  // scores have landed, so the next item's Q loads under the last P V and the write-out.
+  ring<1> q_ring;
   // K and V have rings of their own: K_i is released as soon as its scores have landed, well
   // before V_i is done, so the next K tile can load early.
   ring<config::STAGES> k_ring, v_ring;
@@ -53,103 +66,201 @@ struct WgmmaForwardArgs {
   ForwardParams p;
 };
 
+// An item: query block q_block of (batch b, head h), counted from the end under a causal or
+// right window so that the heaviest blocks start first; the key tiles [first_tile, end_tile)
+// its band can see.
+struct forward_item {
+  int q0, h, b, kv_h, first_tile, end_tile;
+
+  template <int Q_ROWS, int KV>
+  __device__ static forward_item of(int q_block, int h, int b, const ForwardParams& p, const band& mask_band) {
+    if (p.window_right >= 0) q_block = (p.seq_q + Q_ROWS - 1) / Q_ROWS - 1 - q_block;
+    const int q0 = q_block * Q_ROWS;
+    const key_range keys = mask_band.keys_of(q0, min(q0 + Q_ROWS, p.seq_q) - 1);
+    const int first = keys.lo / KV, end = keys.hi > keys.lo ? (keys.hi + KV - 1) / KV : first;
+    return {q0, h, b, h / (p.heads_q / p.heads_kv), first, end};
+  }
+  __device__ int tiles() const { return end_tile - first_tile; }  // >= 0
+};
+
+// Producer (one thread): item w's Q as use q_use of the Q ring, and its key tiles as uses
+// kv_use, kv_use + 1, ... of the K and V rings. A block's first Q goes first; a later one
+// goes after its item's first K tile, which may then load while the consumers still read the
+// previous item's Q.
+template <typename T, int D>
+__device__ __forceinline__ void load_item(wgmma_forward_shared<T, D>& s, const WgmmaForwardArgs& args,
+                                          const forward_item& w, int q_use, int kv_use) {
+  constexpr int KV = wgmma_forward_config<D>::KV_ROWS, CONSUMERS = wgmma_forward_config<D>::CONSUMERS;
+  auto load_q = [&] {
+    tma::barrier& q_full = s.q_ring.fill(q_use, CONSUMERS * sizeof(s.q[0]));
+    for (int c = 0; c < CONSUMERS; c++) tma::load_async(&s.q[c], args.q, q_full, 0, w.q0 + 64 * c, 0, w.h, w.b);
+  };
+  if (w.tiles() == 0) s.q_ring.fill(q_use, 0);  // rows that see no key: no Q to wait for
+  else if (q_use == 0) load_q();
+  for (int i = 0; i < w.tiles(); i++) {
+    const int use = kv_use + i, stage = s.k_ring.slot(use), k0 = (w.first_tile + i) * KV;
+    tma::load_async(&s.k[stage], args.k, s.k_ring.fill(use, sizeof(s.k[0])), 0, k0, 0, w.kv_h, w.b);
+    if (i == 0 && q_use > 0) load_q();
+    tma::load_async(&s.v[stage], args.v, s.v_ring.fill(use, sizeof(s.v[0])), 0, k0, 0, w.kv_h, w.b);
+  }
+}
+
+// Consumer warpgroup `consumer`: attention of its 64 rows of item w, whose key tiles are uses
+// kv_use, kv_use + 1, ... of the K and V rings; writes O and lse. release_q() runs once Q is
+// no longer read.
+template <typename T, int D, typename ReleaseQ>
+__device__ __forceinline__ void attend_item(wgmma_forward_shared<T, D>& s, const ForwardParams& p,
+                                            const band& mask_band, const forward_item& w, int consumer,
+                                            int kv_use, ReleaseQ release_q) {
+  constexpr int KV = wgmma_forward_config<D>::KV_ROWS;
+  const int row0 = w.q0 + 64 * consumer + 16 * warpgroup::warp_in_group();  // this warp's first row
+  const float c = p.scale * LOG2E;
+  const int tiles = w.tiles();
+
+  rt_fl<16, D> o;
+  row_vec<16> m, l;
+  zero(o);
+  map(m, [](float) { return NEG_INF; });
+  map(l, [](float) { return 0.f; });
+
+  // Scores of key tile i + 1 are computed while P_i V_i runs: S_{i+1} and then O += P_i V_i are
+  // issued back to back, the softmax of S_{i+1} overlaps the second product, and O is
+  // rescaled once that product has landed.
+  rt_fl<16, KV> scores;
+  row_vec<16> rescale;
+  auto scores_of = [&](int i) {  // S_i = Q K_i^T, issued asynchronously
+    warpgroup::mma_ABt(scores, s.q[consumer], s.k[s.k_ring.acquire(kv_use + i)], false);
+  };
+  auto softmax_of = [&](int i) {  // S_i has landed: release K_i, then scores -> P_i
+    s.k_ring.release(kv_use + i);
+    const int k0 = (w.first_tile + i) * KV;
+    if (mask_band.cuts(row0, 16, k0, KV))
+      mask(scores, row0, k0, [&](int r, int j) { return mask_band.visible(r, j); });
+    online_softmax_step(scores, m, l, rescale, c);
+  };
+  auto add_pv = [&](int i, const rt<T, 16, KV>& probs) {  // O += P_i V_i, issued asynchronously
+    warpgroup::mma_AB(o, probs, s.v[s.v_ring.acquire(kv_use + i)], true);
+  };
+  auto release_v = [&](int i) {  // P_i V_i has landed
+    s.v_ring.release(kv_use + i);
+  };
+  if (tiles > 0) {
+    scores_of(0);
+    warpgroup::wait<0>();
+    softmax_of(0);  // O is still zero: no rescale
+  } else {
+    release_q();
+  }
+  for (int i = 0; i + 1 < tiles; i++) {
+    rt<T, 16, KV> probs;  // P_i leaves the scores before S_{i+1} overwrites them
+    copy(probs, scores);
+    scores_of(i + 1);
+    add_pv(i, probs);
+    warpgroup::wait<1>();  // S_{i+1} has landed; P_i V_i may still run
+    softmax_of(i + 1);
+    warpgroup::wait<0>();
+    release_v(i);
+    mul_row(o, rescale);
+  }
+  if (tiles > 0) {  // the last tile: nothing left to overlap
+    release_q();  // its scores have landed
+    rt<T, 16, KV> probs;
+    copy(probs, scores);
+    add_pv(tiles - 1, probs);
+    warpgroup::wait<0>();
+    release_v(tiles - 1);
+  }
+
+  store_output<T, D>(o, m, l, c, p, w.b, w.h, row0);
+}
+
+// One thread initialises the rings, before any warp uses them.
+template <typename T, int D>
+__device__ __forceinline__ void init_rings(wgmma_forward_shared<T, D>& s) {
+  constexpr int CONSUMER_WARPS = wgmma_forward_config<D>::CONSUMERS * 4;  // one arrival per consumer warp
+  if (threadIdx.x == 0) {
+    s.q_ring.init(CONSUMER_WARPS);
+    s.k_ring.init(CONSUMER_WARPS);
+    s.v_ring.init(CONSUMER_WARPS);
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+}
+
+// Plain grid: block (x, y, z) runs query block x of head y, batch z.
 template <typename T, int D>
 __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
     wgmma_forward_kernel(const __grid_constant__ WgmmaForwardArgs args) {
   using config = wgmma_forward_config<D>;
-  constexpr int KV = config::KV_ROWS;
   const ForwardParams& p = args.p;
   extern __shared__ char smem_raw[];
   auto& s = aligned_shared<wgmma_forward_shared<T, D>>(smem_raw);
-
-  const int q_block = p.window_right >= 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int kv_h = h / (p.heads_q / p.heads_kv);
-  const int q0 = q_block * config::Q_ROWS;
   const band mask_band = band::of(p);
-  const key_range keys = mask_band.keys_of(q0, min(q0 + config::Q_ROWS, p.seq_q) - 1);
-  const int first_tile = keys.lo / KV;
-  const int end_tile = keys.hi > keys.lo ? (keys.hi + KV - 1) / KV : first_tile;
-
-  if (threadIdx.x == 0) {
-    tma::init(s.q_full, 1);
-    s.k_ring.init(config::CONSUMERS * 4);  // one arrival per consumer warp
-    s.v_ring.init(config::CONSUMERS * 4);
-    tma::fence_barrier_init();
-  }
-  __syncthreads();
-
-  if (warpgroup::groupid() == 0) {  // ---------------- producer ----------------
+  const forward_item w =
+      forward_item::of<config::Q_ROWS, config::KV_ROWS>(blockIdx.x, blockIdx.y, blockIdx.z, p, mask_band);
+  init_rings(s);
+  if (warpgroup::groupid() == 0) {
     warpgroup::decrease_registers<config::PRODUCER_REGS>();
-    if (threadIdx.x == 0 && first_tile < end_tile) {
-      tma::expect_bytes(s.q_full, config::CONSUMERS * sizeof(s.q[0]));
-      for (int c = 0; c < config::CONSUMERS; c++) tma::load_async(&s.q[c], args.q, s.q_full, 0, q0 + 64 * c, 0, h, b);
-      for (int tile = first_tile, i = 0; tile < end_tile; tile++, i++) {
-        const int stage = s.k_ring.slot(i);  // V's ring has the same slots
-        tma::load_async(&s.k[stage], args.k, s.k_ring.fill(i, sizeof(s.k[0])), 0, tile * KV, 0, kv_h, b);
-        tma::load_async(&s.v[stage], args.v, s.v_ring.fill(i, sizeof(s.v[0])), 0, tile * KV, 0, kv_h, b);
-      }
-    }
-  } else {  // ---------------- consumers ----------------
+    if (threadIdx.x == 0) load_item(s, args, w, 0, 0);
+  } else {
+    warpgroup::increase_registers<config::CONSUMER_REGS>();
+    s.q_ring.acquire(0);
+    attend_item(s, p, mask_band, w, warpgroup::groupid() - 1, 0, [] {});  // Q is read once: never released
+  }
+}
+
+template <int Q_ROWS>
+__host__ __device__ inline int forward_items(const ForwardParams& p) {
+  return (p.seq_q + Q_ROWS - 1) / Q_ROWS * p.heads_q * p.batch;
+}
+
+// This block's items in a persistent grid of G = gridDim.x blocks: round n covers items
+// [n G, (n + 1) G), walked forwards in even rounds and backwards in odd ones, so that under the
+// heaviest-first order of causal items the blocks' sums of item lengths come out close. Item t
+// is query block t % q_blocks, head (t / q_blocks) % heads_q, batch t / (q_blocks heads_q), the
+// plain grid's order. Calls visit(item, n, kv_use) for the n-th, whose key tiles are uses
+// kv_use, kv_use + 1, ... of the K and V rings: the rings run on from item to item.
+template <int Q_ROWS, int KV, typename Visit>
+__device__ __forceinline__ void walk_items(const ForwardParams& p, const band& mask_band, Visit visit) {
+  const int items = forward_items<Q_ROWS>(p), q_blocks = (p.seq_q + Q_ROWS - 1) / Q_ROWS;
+  const int G = gridDim.x;
+  int kv_use = 0;
+  for (int n = 0;; n++) {
+    const int t = n * G + (n % 2 == 0 ? blockIdx.x : G - 1 - blockIdx.x);
+    if (t >= items) break;
+    const forward_item w = forward_item::of<Q_ROWS, KV>(t % q_blocks, t / q_blocks % p.heads_q,
+                                                         t / q_blocks / p.heads_q, p, mask_band);
+    visit(w, n, kv_use);
+    kv_use += w.tiles();
+  }
+}
+
+// Persistent grid: each block walks its items; the producer loads the n-th item's Q as use n
+// of the Q ring, which the consumers release once they no longer read it.
+template <typename T, int D>
+__global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
+    persistent_forward_kernel(const __grid_constant__ WgmmaForwardArgs args) {
+  using config = wgmma_forward_config<D>;
+  constexpr int Q_ROWS = config::Q_ROWS, KV = config::KV_ROWS;
+  const ForwardParams& p = args.p;
+  extern __shared__ char smem_raw[];
+  auto& s = aligned_shared<wgmma_forward_shared<T, D>>(smem_raw);
+  const band mask_band = band::of(p);
+
+  init_rings(s);
+  if (warpgroup::groupid() == 0) {
+    warpgroup::decrease_registers<config::PRODUCER_REGS>();
+    if (threadIdx.x == 0)
+      walk_items<Q_ROWS, KV>(p, mask_band, [&](const forward_item& w, int n, int kv_use) {
+        load_item(s, args, w, n, kv_use);
+      });
+  } else {
     warpgroup::increase_registers<config::CONSUMER_REGS>();
     const int consumer = warpgroup::groupid() - 1;
-    const int row0 = q0 + 64 * consumer + 16 * warpgroup::warp_in_group();  // this warp's first row
-    const float c = p.scale * LOG2E;
-
-    rt_fl<16, D> o;
-    row_vec<16> m, l;
-    zero(o);
-    map(m, [](float) { return NEG_INF; });
-    map(l, [](float) { return 0.f; });
-    if (first_tile < end_tile) tma::wait(s.q_full, 0);
-
-    // Scores of key tile i + 1 are computed while P_i V_i runs: S_{i+1} and then O += P_i V_i are
-    // issued back to back, the softmax of S_{i+1} overlaps the second product, and O is
-    // rescaled once that product has landed.
-    const int tiles = end_tile - first_tile;
-    rt_fl<16, KV> scores;
-    row_vec<16> rescale;
-    auto scores_of = [&](int i) {  // S_i = Q K_i^T, issued asynchronously
-      warpgroup::mma_ABt(scores, s.q[consumer], s.k[s.k_ring.acquire(i)], false);
-    };
-    auto softmax_of = [&](int i) {  // S_i has landed: release K_i, then scores -> P_i
-      s.k_ring.release(i);
-      const int k0 = (first_tile + i) * KV;
-      if (mask_band.cuts(row0, 16, k0, KV))
-        mask(scores, row0, k0, [&](int r, int j) { return mask_band.visible(r, j); });
-      online_softmax_step(scores, m, l, rescale, c);
-    };
-    auto add_pv = [&](int i, const rt<T, 16, KV>& probs) {  // O += P_i V_i, issued asynchronously
-      warpgroup::mma_AB(o, probs, s.v[s.v_ring.acquire(i)], true);
-    };
-    auto release_v = [&](int i) {  // P_i V_i has landed
-      s.v_ring.release(i);
-    };
-    if (tiles > 0) {
-      scores_of(0);
-      warpgroup::wait<0>();
-      softmax_of(0);  // O is still zero: no rescale
-    }
-    for (int i = 0; i + 1 < tiles; i++) {
-      rt<T, 16, KV> probs;  // P_i leaves the scores before S_{i+1} overwrites them
-      copy(probs, scores);
-      scores_of(i + 1);
-      add_pv(i, probs);
-      warpgroup::wait<1>();  // S_{i+1} has landed; P_i V_i may still run
-      softmax_of(i + 1);
-      warpgroup::wait<0>();
-      release_v(i);
-      mul_row(o, rescale);
-    }
-    if (tiles > 0) {  // the last tile: nothing left to overlap
-      rt<T, 16, KV> probs;
-      copy(probs, scores);
-      add_pv(tiles - 1, probs);
-      warpgroup::wait<0>();
-      release_v(tiles - 1);
-    }
-
-    store_output<T, D>(o, m, l, c, p, b, h, row0);
+    walk_items<Q_ROWS, KV>(p, mask_band, [&](const forward_item& w, int n, int kv_use) {
+      s.q_ring.acquire(n);
+      attend_item(s, p, mask_band, w, consumer, kv_use, [&] { s.q_ring.release(n); });
+    });
   }
 }
 
@@ -164,6 +275,12 @@ cudaError_t launch_wgmma_forward(const ForwardParams& p, cudaStream_t stream) {
       !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, config::KV_ROWS))
     return cudaErrorInvalidValue;
   const int smem = int(sizeof(wgmma_forward_shared<T, D>)) + 1024;
+  if (p.seq_k <= config::PERSISTENT_MAX_KEYS) {
+    int sms = 0;
+    if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
+    const dim3 grid(std::min(forward_items<config::Q_ROWS>(p), sms));
+    return launch_with_shared<persistent_forward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);
+  }
   const dim3 grid((p.seq_q + config::Q_ROWS - 1) / config::Q_ROWS, p.heads_q, p.batch);
   return launch_with_shared<wgmma_forward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);
 }

@@ -24,6 +24,19 @@ cudaError_t allow_dynamic_shared(int bytes) {
   return err;
 }
 
+// The current device's multiprocessor count (e.g. to size a persistent grid), looked up
+// once per device.
+inline cudaError_t multiprocessor_count(int* count) {
+  static std::atomic<int> counts[64] = {};
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  if (device < 64 && (*count = counts[device].load(std::memory_order_relaxed)) > 0) return cudaSuccess;
+  if (cudaError_t err = cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)
+    return err;
+  if (device < 64) counts[device].store(*count, std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
 // Launch `Kernel` on `stream` with `bytes` of dynamic shared memory, raising its limit first;
 // returns the launch status, never synchronises.
 template <auto Kernel, typename... Args>
