@@ -30,28 +30,32 @@ namespace tk::attention {
 
 using namespace kittens;
 
-template <int D>
+// C consumer warpgroups of 64 query rows each. The launcher picks C per call (see
+// forward_consumers below).
+template <int D, int C>
 struct wgmma_forward_config {
-  static constexpr int CONSUMERS = 2;
+  static constexpr int CONSUMERS = C;
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   static constexpr int Q_ROWS = 64 * CONSUMERS;
   // Key tiles of 128 rows; 64 at D = 256, where the output takes 128 registers a thread and
   // two stages of 128-row K and V tiles would not fit in shared memory.
   static constexpr int KV_ROWS = D <= 128 ? 128 : 64;
-  // Three stages where they fit (at D = 128: 32 KB of Q + 3 x 64 KB of K and V, 226 KB in all):
-  // with the next tile's scores computed early, K_{i+1} must have landed one step sooner.
-  static constexpr int STAGES = D <= 128 ? 3 : 2;
-  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
-  static_assert(warpgroup::registers_fit(1, PRODUCER_REGS, CONSUMERS, CONSUMER_REGS));
+  // As many K/V stages as fit beside Q in 227 KB of shared memory, up to 4: with the next
+  // tile's scores computed early, K_{i+1} must land a step ahead. (D = 128: 3; D = 256: 2.)
+  static constexpr int STAGE_BYTES = 2 * KV_ROWS * D * 2, Q_BYTES = Q_ROWS * D * 2;
+  static constexpr int STAGES = std::min(4, (227 * 1024 - 2048 - Q_BYTES) / STAGE_BYTES);
+  static_assert(STAGES >= 2);
+  static constexpr int PRODUCER_REGS = 24;
+  static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, CONSUMERS);
   // Up to this many keys the persistent grid runs (measured on an H100 in bench/NOTES.md,
   // session 9: +4-30% up to 2048 keys; beyond that the plain grid is as fast or faster).
   static constexpr int PERSISTENT_MAX_KEYS = 2048;
 };
 
-template <typename T, int D>
+template <typename T, int D, int C>
 struct wgmma_forward_shared {
-  using config = wgmma_forward_config<D>;
-  st<T, 64, D> q[config::CONSUMERS];
+  using config = wgmma_forward_config<D, C>;
+  st<T, 64, D> q[C];
   st<T, config::KV_ROWS, D> k[config::STAGES], v[config::STAGES];
   // Q has a one-slot ring: in a persistent walk the consumers release it once an item's last
   // scores have landed, so the next item's Q loads under the last P V and the write-out.
@@ -87,13 +91,13 @@ struct forward_item {
 // kv_use, kv_use + 1, ... of the K and V rings. A block's first Q goes first; a later one
 // goes after its item's first K tile, which may then load while the consumers still read the
 // previous item's Q.
-template <typename T, int D>
-__device__ __forceinline__ void load_item(wgmma_forward_shared<T, D>& s, const WgmmaForwardArgs& args,
+template <typename T, int D, int C>
+__device__ __forceinline__ void load_item(wgmma_forward_shared<T, D, C>& s, const WgmmaForwardArgs& args,
                                           const forward_item& w, int q_use, int kv_use) {
-  constexpr int KV = wgmma_forward_config<D>::KV_ROWS, CONSUMERS = wgmma_forward_config<D>::CONSUMERS;
+  constexpr int KV = wgmma_forward_config<D, C>::KV_ROWS;
   auto load_q = [&] {
-    tma::barrier& q_full = s.q_ring.fill(q_use, CONSUMERS * sizeof(s.q[0]));
-    for (int c = 0; c < CONSUMERS; c++) tma::load_async(&s.q[c], args.q, q_full, 0, w.q0 + 64 * c, 0, w.h, w.b);
+    tma::barrier& q_full = s.q_ring.fill(q_use, C * sizeof(s.q[0]));
+    for (int c = 0; c < C; c++) tma::load_async(&s.q[c], args.q, q_full, 0, w.q0 + 64 * c, 0, w.h, w.b);
   };
   if (w.tiles() == 0) s.q_ring.fill(q_use, 0);  // rows that see no key: no Q to wait for
   else if (q_use == 0) load_q();
@@ -108,11 +112,11 @@ __device__ __forceinline__ void load_item(wgmma_forward_shared<T, D>& s, const W
 // Consumer warpgroup `consumer`: attention of its 64 rows of item w, whose key tiles are uses
 // kv_use, kv_use + 1, ... of the K and V rings; writes O and lse. release_q() runs once Q is
 // no longer read.
-template <typename T, int D, typename ReleaseQ>
-__device__ __forceinline__ void attend_item(wgmma_forward_shared<T, D>& s, const ForwardParams& p,
+template <typename T, int D, int C, typename ReleaseQ>
+__device__ __forceinline__ void attend_item(wgmma_forward_shared<T, D, C>& s, const ForwardParams& p,
                                             const band& mask_band, const forward_item& w, int consumer,
                                             int kv_use, ReleaseQ release_q) {
-  constexpr int KV = wgmma_forward_config<D>::KV_ROWS;
+  constexpr int KV = wgmma_forward_config<D, C>::KV_ROWS;
   const int row0 = w.q0 + 64 * consumer + 16 * warpgroup::warp_in_group();  // this warp's first row
   const float c = p.scale * LOG2E;
   const int tiles = w.tiles();
@@ -175,9 +179,9 @@ __device__ __forceinline__ void attend_item(wgmma_forward_shared<T, D>& s, const
 }
 
 // One thread initialises the rings, before any warp uses them.
-template <typename T, int D>
-__device__ __forceinline__ void init_rings(wgmma_forward_shared<T, D>& s) {
-  constexpr int CONSUMER_WARPS = wgmma_forward_config<D>::CONSUMERS * 4;  // one arrival per consumer warp
+template <typename T, int D, int C>
+__device__ __forceinline__ void init_rings(wgmma_forward_shared<T, D, C>& s) {
+  constexpr int CONSUMER_WARPS = C * 4;  // one arrival per consumer warp
   if (threadIdx.x == 0) {
     s.q_ring.init(CONSUMER_WARPS);
     s.k_ring.init(CONSUMER_WARPS);
@@ -188,13 +192,13 @@ __device__ __forceinline__ void init_rings(wgmma_forward_shared<T, D>& s) {
 }
 
 // Plain grid: block (x, y, z) runs query block x of head y, batch z.
-template <typename T, int D>
-__global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
+template <typename T, int D, int C>
+__global__ void __launch_bounds__(wgmma_forward_config<D, C>::THREADS, 1)
     wgmma_forward_kernel(const __grid_constant__ WgmmaForwardArgs args) {
-  using config = wgmma_forward_config<D>;
+  using config = wgmma_forward_config<D, C>;
   const ForwardParams& p = args.p;
   extern __shared__ char smem_raw[];
-  auto& s = aligned_shared<wgmma_forward_shared<T, D>>(smem_raw);
+  auto& s = aligned_shared<wgmma_forward_shared<T, D, C>>(smem_raw);
   const band mask_band = band::of(p);
   const forward_item w =
       forward_item::of<config::Q_ROWS, config::KV_ROWS>(blockIdx.x, blockIdx.y, blockIdx.z, p, mask_band);
@@ -237,14 +241,14 @@ __device__ __forceinline__ void walk_items(const ForwardParams& p, const band& m
 
 // Persistent grid: each block walks its items; the producer loads the n-th item's Q as use n
 // of the Q ring, which the consumers release once they no longer read it.
-template <typename T, int D>
-__global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
+template <typename T, int D, int C>
+__global__ void __launch_bounds__(wgmma_forward_config<D, C>::THREADS, 1)
     persistent_forward_kernel(const __grid_constant__ WgmmaForwardArgs args) {
-  using config = wgmma_forward_config<D>;
+  using config = wgmma_forward_config<D, C>;
   constexpr int Q_ROWS = config::Q_ROWS, KV = config::KV_ROWS;
   const ForwardParams& p = args.p;
   extern __shared__ char smem_raw[];
-  auto& s = aligned_shared<wgmma_forward_shared<T, D>>(smem_raw);
+  auto& s = aligned_shared<wgmma_forward_shared<T, D, C>>(smem_raw);
   const band mask_band = band::of(p);
 
   init_rings(s);
@@ -264,9 +268,17 @@ __global__ void __launch_bounds__(wgmma_forward_config<D>::THREADS, 1)
   }
 }
 
-template <typename T, int D>
-cudaError_t launch_wgmma_forward(const ForwardParams& p, cudaStream_t stream) {
-  using config = wgmma_forward_config<D>;
+// Consumers per block: 3 at D = 64 (192 query rows), where their registers allow it, except
+// for causal or windowed attention over at most 4096 keys, where a 192-row block's masked
+// work at the band's edge outweighs it; else 2. (Same-card A/B in bench/NOTES.md, session 9.)
+inline int forward_consumers(const ForwardParams& p) {
+  const bool banded = p.window_left >= 0 || p.window_right >= 0;
+  return p.head_dim == 64 && !(banded && p.seq_k <= 4096) ? 3 : 2;
+}
+
+template <typename T, int D, int C>
+cudaError_t launch_wgmma_forward_with(const ForwardParams& p, cudaStream_t stream) {
+  using config = wgmma_forward_config<D, C>;
   WgmmaForwardArgs args{};
   args.p = p;
   const bool bf = std::is_same_v<T, bf16>;
@@ -274,15 +286,23 @@ cudaError_t launch_wgmma_forward(const ForwardParams& p, cudaStream_t stream) {
       !tma::make_bshd_map(&args.k, p.k, bf, p.batch, p.seq_k, p.heads_kv, D, config::KV_ROWS) ||
       !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, config::KV_ROWS))
     return cudaErrorInvalidValue;
-  const int smem = int(sizeof(wgmma_forward_shared<T, D>)) + 1024;
+  const int smem = int(sizeof(wgmma_forward_shared<T, D, C>)) + 1024;
   if (p.seq_k <= config::PERSISTENT_MAX_KEYS) {
     int sms = 0;
     if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
     const dim3 grid(std::min(forward_items<config::Q_ROWS>(p), sms));
-    return launch_with_shared<persistent_forward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);
+    return launch_with_shared<persistent_forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
   }
   const dim3 grid((p.seq_q + config::Q_ROWS - 1) / config::Q_ROWS, p.heads_q, p.batch);
-  return launch_with_shared<wgmma_forward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);
+  return launch_with_shared<wgmma_forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
+}
+
+template <typename T, int D>
+cudaError_t launch_wgmma_forward(const ForwardParams& p, cudaStream_t stream) {
+  if constexpr (D == 64) {
+    if (forward_consumers(p) == 3) return launch_wgmma_forward_with<T, D, 3>(p, stream);
+  }
+  return launch_wgmma_forward_with<T, D, 2>(p, stream);
 }
 
 }  // namespace tk::attention
