@@ -47,9 +47,10 @@ struct wgmma_forward_config {
   static_assert(STAGES >= 2);
   static constexpr int PRODUCER_REGS = 24;
   static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, CONSUMERS);
-  // Up to this many keys the persistent grid runs (measured on an H100 in bench/NOTES.md,
-  // session 9: +4-30% up to 2048 keys; beyond that the plain grid is as fast or faster).
-  static constexpr int PERSISTENT_MAX_KEYS = 2048;
+  // Up to this many keys the persistent grid runs. Same-card A/Bs on an H100 (bench/NOTES.md,
+  // session 9): +4-30% up to 2048 keys; at 4096 +4-10% except D=256 unmasked (-3%); at 8k-16k
+  // its static walk falls behind the hardware's scheduling of causal blocks (up to -36%).
+  static constexpr int PERSISTENT_MAX_KEYS = 4096;
 };
 
 template <typename T, int D, int C>
