@@ -1,10 +1,11 @@
 // Flash attention forward for Hopper: TMA loads, wgmma, warp specialisation.
 //
-// The work comes in items: a 128-row query block of one (batch, head) and the key tiles its
-// band can see. A block has three warpgroups. Warpgroup 0 is the producer: one thread loads an
-// item's Q and streams its K and V tiles of 128 keys through rings of shared-memory stages with
-// TMA, each stage guarded by a "full" barrier (the copy engine completes it) and an "empty"
-// barrier (the consumers release it). Warpgroups 1 and 2 are consumers, 64 query rows each:
+// The work comes in items: a block of 64 C query rows of one (batch, head), C = 2 or 3, and
+// the key tiles its band can see. A block has C + 1 warpgroups. Warpgroup 0 is the producer:
+// one thread loads an item's Q and streams its K and V tiles (128 keys; 64 at D = 256)
+// through rings of shared-memory stages with TMA, each stage guarded by a "full" barrier (the
+// copy engine completes it) and an "empty" barrier (the consumers release it). Warpgroups
+// 1 .. C are consumers, 64 query rows each:
 //   S = Q K^T                                   (wgmma, Q and K from shared memory)
 //   m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
 //   O = 2^(c m - c m') O + P V                  (wgmma, P from registers, V from shared)
