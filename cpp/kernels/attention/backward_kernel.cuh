@@ -30,8 +30,8 @@ struct backward_config {
   static constexpr int KV_ROWS = 64 * CONSUMERS;
   static constexpr int Q_ROWS = BACKWARD_Q_TILE;
   static constexpr int STAGES = 2;
-  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
-  static_assert(warpgroup::registers_fit(1, PRODUCER_REGS, CONSUMERS, CONSUMER_REGS));
+  static constexpr int PRODUCER_REGS = 24;
+  static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, CONSUMERS);  // 240
 };
 
 template <typename T, int D>
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     auto sweep = [&]<bool has_chunk>() {
       query_walk::tile tile = walk.first(), previous = tile;
       for (int i = 0; i < steps; i++, previous = tile, walk.advance(tile)) {
-        const int h = tile.head, q0 = tile.q0;
+        const int q0 = tile.q0;
         const int stage = s.stages.acquire(i);
         const auto& q_tile = s.stages.q[stage];
         const auto& dout_tile = s.stages.dout[stage];

@@ -26,8 +26,8 @@ struct split_backward_config {
   static constexpr int KV_ROWS = 64;
   static constexpr int Q_ROWS = BACKWARD_Q_TILE;
   static constexpr int STAGES = 2;
-  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
-  static_assert(warpgroup::registers_fit(1, PRODUCER_REGS, THREADS / 128 - 1, CONSUMER_REGS));
+  static constexpr int PRODUCER_REGS = 24;
+  static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, THREADS / 128 - 1);  // 240
   static constexpr int CONSUMER_WARPS = 8;
 };
 

@@ -72,6 +72,12 @@ struct WgmmaForwardArgs {
   ForwardParams p;
 };
 
+// Query blocks of Q_ROWS rows per (batch, head).
+template <int Q_ROWS>
+__host__ __device__ inline int query_blocks(const ForwardParams& p) {
+  return (p.seq_q + Q_ROWS - 1) / Q_ROWS;
+}
+
 // An item: query block q_block of (batch b, head h), counted from the end under a causal or
 // right window so that the heaviest blocks start first; the key tiles [first_tile, end_tile)
 // its band can see.
@@ -80,7 +86,7 @@ struct forward_item {
 
   template <int Q_ROWS, int KV>
   __device__ static forward_item of(int q_block, int h, int b, const ForwardParams& p, const band& mask_band) {
-    if (p.window_right >= 0) q_block = (p.seq_q + Q_ROWS - 1) / Q_ROWS - 1 - q_block;
+    if (p.window_right >= 0) q_block = query_blocks<Q_ROWS>(p) - 1 - q_block;
     const int q0 = q_block * Q_ROWS;
     const key_range keys = mask_band.keys_of(q0, min(q0 + Q_ROWS, p.seq_q) - 1);
     const int first = keys.lo / KV, end = keys.hi > keys.lo ? (keys.hi + KV - 1) / KV : first;
@@ -217,7 +223,7 @@ __global__ void __launch_bounds__(wgmma_forward_config<D, C>::THREADS, 1)
 
 template <int Q_ROWS>
 __host__ __device__ inline int forward_items(const ForwardParams& p) {
-  return (p.seq_q + Q_ROWS - 1) / Q_ROWS * p.heads_q * p.batch;
+  return query_blocks<Q_ROWS>(p) * p.heads_q * p.batch;
 }
 
 // This block's items in a persistent grid of G = gridDim.x blocks: round n covers items
@@ -228,7 +234,7 @@ __host__ __device__ inline int forward_items(const ForwardParams& p) {
 // kv_use, kv_use + 1, ... of the K and V rings: the rings run on from item to item.
 template <int Q_ROWS, int KV, typename Visit>
 __device__ __forceinline__ void walk_items(const ForwardParams& p, const band& mask_band, Visit visit) {
-  const int items = forward_items<Q_ROWS>(p), q_blocks = (p.seq_q + Q_ROWS - 1) / Q_ROWS;
+  const int items = forward_items<Q_ROWS>(p), q_blocks = query_blocks<Q_ROWS>(p);
   const int G = gridDim.x;
   int kv_use = 0;
   for (int n = 0;; n++) {
@@ -295,7 +301,7 @@ cudaError_t launch_wgmma_forward_with(const ForwardParams& p, cudaStream_t strea
     const dim3 grid(std::min(forward_items<config::Q_ROWS>(p), sms));
     return launch_with_shared<persistent_forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
   }
-  const dim3 grid((p.seq_q + config::Q_ROWS - 1) / config::Q_ROWS, p.heads_q, p.batch);
+  const dim3 grid(query_blocks<config::Q_ROWS>(p), p.heads_q, p.batch);
   return launch_with_shared<wgmma_forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
 }
 

@@ -33,17 +33,12 @@ __device__ __forceinline__ int warp_in_group() { return (threadIdx.x / 32) % 4; 
 // Register reallocation between warpgroups (needs __launch_bounds__(threads, 1)).
 // setmaxnreg only moves registers inside the block's launch allocation: each thread starts
 // with 65536 / threads rounded down to a multiple of 8, and an increase the freed registers
-// cannot cover waits forever. Kernels check their split with registers_fit at compile time.
+// cannot cover waits forever. So kernels take their consumers' count from
+// consumer_registers: the most each consumer thread can have (a multiple of 8) once the
+// producers have dropped to producer_regs.
 // Call each role's setmaxnreg inside that role's own branch and do not let the roles' paths
 // merge again afterwards: ptxas then compiles the merged code for the launch allocation and
 // spills.
-constexpr bool registers_fit(int producer_groups, int producer_regs, int consumer_groups, int consumer_regs) {
-  const int groups = producer_groups + consumer_groups;
-  const int at_launch = 65536 / (128 * groups) / 8 * 8;
-  return producer_groups * producer_regs + consumer_groups * consumer_regs <= groups * at_launch;
-}
-// The most registers each consumer thread can take (a multiple of 8) once the producers
-// have dropped to producer_regs.
 constexpr int consumer_registers(int producer_groups, int producer_regs, int consumer_groups) {
   const int groups = producer_groups + consumer_groups;
   const int at_launch = 65536 / (128 * groups) / 8 * 8;
