@@ -25,6 +25,11 @@ __device__ __forceinline__ uint32_t& as_u32(T2& x) {
   static_assert(sizeof(T2) == 4, "16-bit pairs only");
   return *reinterpret_cast<uint32_t*>(&x);
 }
+template <typename T2>
+__device__ __forceinline__ uint32_t as_u32(const T2& x) {
+  static_assert(sizeof(T2) == 4, "16-bit pairs only");
+  return *reinterpret_cast<const uint32_t*>(&x);
+}
 
 // Row layout: rows [row0, row0+R) and cols [col0, col0+C) of `src`.
 // ldmatrix's four 8x8 matrices are (rows 0-7 | 8-15) x (cols 0-7 | 8-15); lane l points at
@@ -71,20 +76,60 @@ __device__ __forceinline__ void load(col_vec<Cols>& dst, const float* v) {
     for (int h = 0; h < 2; h++) dst.data[j][h] = *reinterpret_cast<const float2*>(v + 16 * j + fragment_col(2 * h, 0));
 }
 
-// Register tile (row layout, any element type) into a shared tile (16-bit or fp32 values).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// Register tile (row layout) into a shared tile, converting to the tile's type (16-bit or
+// fp32 values); row0 must be a multiple of 8 and col0 of 16. Swizzling permutes 16-byte chunks
+// within an 8-row atom of one panel, so moving down 8 rows or across whole panels adds a
+// constant to an element's offset: a lane computes the swizzled offsets of the few columns it
+// touches within a panel and adds the rest, instead of swizzling every element's address.
 template <typename T, typename U, int R, int C, int SR, int SC>
 __device__ __forceinline__ void store(st<T, SR, SC>& dst, const rt<U, R, C, layout::row>& src, int row0 = 0,
                                       int col0 = 0) {
+  using tile = st<T, SR, SC>;
+  const uint32_t base = shared_addr(dst.data) + uint32_t(row0) * tile::swizzle_bytes;
+  // Offset of (lane_row, c16 + lane_col), lane_row < 16, lane_col < 16, c16 a multiple of 16.
+  auto offset = [](int lane_row, int c16, int lane_col) {
+    return tile::offset(lane_row, c16 % tile::panel_cols + lane_col) +
+           uint32_t(c16 / tile::panel_cols) * (SR * tile::swizzle_bytes);
+  };
+  if constexpr (std::is_same_v<T, U> && sizeof(T) == 2) {
+    // Same 16-bit type: one stmatrix per 16x16 base tile, the inverse of load()'s ldmatrix
+    // (lane l gives the address of row l % 16 of column half l / 16).
+    const int lane = laneid();
 #pragma unroll
-  for (int i = 0; i < src.height; i++)
+    for (int j = 0; j < src.width; j++) {
+      const uint32_t col_base = base + offset(lane % 16, col0 + 16 * j, (lane / 16) * 8);
+#pragma unroll
+      for (int i = 0; i < src.height; i++) {
+        const auto& t = src.tiles[i][j];
+        stmatrix_x4(col_base + 16 * i * tile::swizzle_bytes, as_u32(t.data[0]), as_u32(t.data[1]),
+                    as_u32(t.data[2]), as_u32(t.data[3]));
+      }
+    }
+  } else {
 #pragma unroll
     for (int j = 0; j < src.width; j++)
 #pragma unroll
-      for (int k = 0; k < 4; k++) {
-        const float2 v = unpack(src.tiles[i][j].data[k]);
-        *reinterpret_cast<packed_t<T>*>(dst.ptr(row0 + 16 * i + fragment_row(k), col0 + 16 * j + fragment_col(k, 0))) =
-            pack<T>(v.x, v.y);
+      for (int half = 0; half < 2; half++) {  // registers 2 * half (rows g) and 2 * half + 1 (rows g + 8)
+        const uint32_t col_base = base + offset(fragment_row(0), col0 + 16 * j, fragment_col(2 * half, 0));
+#pragma unroll
+        for (int i = 0; i < src.height; i++)
+#pragma unroll
+          for (int down = 0; down < 2; down++) {
+            const float2 v = unpack(src.tiles[i][j].data[2 * half + down]);
+            const uint32_t addr = col_base + (16 * i + 8 * down) * tile::swizzle_bytes;
+            if constexpr (sizeof(T) == 2)
+              asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(as_u32(pack<T>(v.x, v.y))) : "memory");
+            else
+              asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
+          }
       }
+  }
 }
 
 // Register tile (row layout) straight to global, converting to T; rows past dst.seq skipped.
