@@ -47,15 +47,17 @@ def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: 
 
     Rank-4 [B, T, H, D] inputs, lse [B, Hq, Tq] (natural log, -inf for rows that saw no key),
     dlse an optional cotangent of lse. The row statistics the kernel reads per query tile are
-    prepared here in one fused XLA pass: delta = rowsum(do * o) - dlse, and lse with -inf
-    replaced by +inf (so those rows get P = 0), both padded to a multiple of 64 queries.
+    prepared here in one fused XLA pass, in the units the kernel uses (so it spends no multiply
+    on them): delta = scale * (rowsum(do * o) - dlse), and lse * log2(e) with -inf replaced by
+    +inf (so those rows get P = 0), both padded to a multiple of 64 queries.
     """
     seq_q = q.shape[1]
     pad = (-seq_q) % BACKWARD_Q_TILE
     delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
     if dlse is not None:
         delta = delta - dlse
-    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+    delta = delta * np.float32(scale)
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse * np.float32(np.log2(np.e)))
     lse = jnp.pad(lse, ((0, 0), (0, 0), (0, pad)), constant_values=jnp.inf)
     delta = jnp.pad(delta, ((0, 0), (0, 0), (0, pad)))
     out_types = (

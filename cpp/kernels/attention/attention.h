@@ -38,8 +38,8 @@ struct BackwardParams {
   const void* k;      // [batch, seq_k, heads_kv, head_dim]
   const void* v;      // [batch, seq_k, heads_kv, head_dim]
   const void* dout;   // [batch, seq_q, heads_q, head_dim], gradient of the output
-  const float* lse;   // [batch, heads_q, seq_q_padded]; +inf marks rows that saw no key and padding
-  const float* delta; // [batch, heads_q, seq_q_padded]: rowsum(dout * o) - dlse, 0 on padding
+  const float* lse;   // [batch, heads_q, seq_q_padded]: lse * log2(e); +inf marks rows that saw no key and padding
+  const float* delta; // [batch, heads_q, seq_q_padded]: scale * (rowsum(dout * o) - dlse), 0 on padding
   float* dq_accum;    // [batch, seq_q, heads_q, head_dim] float32, zeroed and accumulated here
   void* dk;           // [batch, seq_k, heads_kv, head_dim], k's dtype (summed over the GQA group)
   void* dv;           // [batch, seq_k, heads_kv, head_dim]

@@ -3,9 +3,9 @@
 // A block owns 128 keys of one KV head (64 per consumer warpgroup) and walks every query tile
 // (64 rows) of every query head of its GQA group that can see those keys; dK and dV stay in
 // registers for the whole walk. Per query tile, with c = scale * log2(e):
-//   S^T  = K Q^T                       P^T = 2^(c S^T - log2(e) lse)       (lse per column)
+//   S^T  = K Q^T                       P^T = 2^(c S^T - lse2)     (lse2 = log2(e) lse, per column)
 //   dV  += P^T dO                      dP^T = V dO^T
-//   dS^T = scale * P^T o (dP^T - delta)                                    (delta per column)
+//   dS^T = P^T o (scale dP^T - delta)  (delta = scale (rowsum(dO o O) - dlse), per column)
 //   dK  += dS^T Q                      dQ  += dS K   (dS^T of all 128 keys staged in shared
 //                                                    memory; the dQ tile staged there too and
 //                                                    added to global memory by one TMA bulk
@@ -114,24 +114,24 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         const auto& dout_tile = s.stages.dout[stage];
 
         // S^T and dP^T = V dO^T issued together; P^T from the scores while dP^T is in flight.
-        // lse is +inf on rows that saw nothing, giving P = 0.
+        // lse2 is +inf on rows that saw nothing, giving P = 0.
         rt_fl<16, QT> probs, dprobs;
         warpgroup::mma_ABt(probs, s.k[consumer], q_tile, false);
         warpgroup::mma_ABt(dprobs, s.v[consumer], dout_tile, false);
         if (has_chunk && i > 0) issue_dq_add(previous.head, previous.q0);  // the previous step's chunk
-        col_vec<QT> lse, delta;
-        load(lse, p.lse + stats_offset(p, b, tile));
+        col_vec<QT> lse2, delta;
+        load(lse2, p.lse + stats_offset(p, b, tile));
         warpgroup::wait<1>();  // S^T is ready
         if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
           mask(probs, key0, q0, [&](int kj, int qi) { return mask_band.visible(qi, kj); });
-        map_cols(probs, lse, [=](float x, float lse) { return fast_exp2(c * x - LOG2E * lse); });
+        map_cols(probs, lse2, [=](float x, float lse2) { return fast_exp2(c * x - lse2); });
         rt<T, 16, QT> probs_16;
         copy(probs_16, probs);
         warpgroup::mma_AB(dv, probs_16, dout_tile, true);  // dV += P^T dO
         load(delta, p.delta + stats_offset(p, b, tile));
         warpgroup::wait<1>();  // dP^T is ready (groups complete in order)
 
-        map_cols(dprobs, delta, [=](float dp, float delta) { return (dp - delta) * p.scale; });
+        map_cols(dprobs, delta, [=](float dp, float delta) { return fmaf(dp, p.scale, -delta); });
         mul(dprobs, probs);  // dS^T (scaled)
         rt<T, 16, QT> ds_16;
         copy(ds_16, dprobs);

@@ -3,9 +3,9 @@
 // At D = 256 one warpgroup cannot keep both dK and dV of its 64 keys in registers (2 x 128
 // floats a thread), so the two consumer warpgroups of a block share 64 keys and split the
 // step by role, each keeping one of the two gradients. Per query tile (64 rows), with
-// c = scale * log2(e):
-//   P warpgroup:   S^T = K Q^T      P^T = 2^(c S^T - log2(e) lse)         dV += P^T dO
-//   dS warpgroup:  dP^T = V dO^T    dS^T = scale * P^T o (dP^T - delta)   dK += dS^T Q
+// c = scale * log2(e), lse2 = log2(e) lse and delta = scale (rowsum(dO o O) - dlse) per column:
+//   P warpgroup:   S^T = K Q^T      P^T = 2^(c S^T - lse2)                 dV += P^T dO
+//   dS warpgroup:  dP^T = V dO^T    dS^T = P^T o (scale dP^T - delta)     dK += dS^T Q
 //   both:          dQ += dS K, 128 of the 256 columns each (one fp32 atomic add per element)
 // P^T reaches the dS warpgroup through shared memory, warp w to warp w (the same 16 keys), and
 // dS^T reaches both for dQ the same way. Each product is 64 x 64 x 256 or 64 x 256 x 64, so the
@@ -112,16 +112,16 @@ __global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
     const auto& dout_tile = s.stages.dout[stage];
 
     if (p_role) {
-      // P^T from the recomputed scores; lse is +inf on rows that saw nothing, giving P = 0.
+      // P^T from the recomputed scores; lse2 is +inf on rows that saw nothing, giving P = 0.
       const float c = p.scale * LOG2E;
       rt_fl<16, QT> probs;
       warpgroup::mma_ABt(probs, s.k, q_tile, false);
-      col_vec<QT> lse;
-      load(lse, p.lse + stats_offset(p, b, tile));
+      col_vec<QT> lse2;
+      load(lse2, p.lse + stats_offset(p, b, tile));
       warpgroup::wait<0>();
       if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
         mask(probs, key0, q0, [&](int kj, int qi) { return mask_band.visible(qi, kj); });
-      map_cols(probs, lse, [=](float x, float lse) { return fast_exp2(c * x - LOG2E * lse); });
+      map_cols(probs, lse2, [=](float x, float lse2) { return fast_exp2(c * x - lse2); });
       rt<T, 16, QT> probs_16;
       copy(probs_16, probs);
       store(s.probs, probs_16, 16 * warp, 0);
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
       load(probs_16, s.probs, 16 * warp, 0);
       rt_fl<16, QT> probs;
       copy(probs, probs_16);
-      map_cols(dprobs, delta, [=](float dp, float delta) { return (dp - delta) * p.scale; });
+      map_cols(dprobs, delta, [=](float dp, float delta) { return fmaf(dp, p.scale, -delta); });
       mul(dprobs, probs);  // dS^T (scaled)
       rt<T, 16, QT> ds_16;
       copy(ds_16, dprobs);
