@@ -59,14 +59,16 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // Synchronise `threads` threads (a multiple of 32) on named barrier `id` (1..15; 0 is
-// __syncthreads), e.g. the consumer warpgroups of a warp-specialised block.
+// __syncthreads), e.g. the consumer warpgroups of a warp-specialised block. The non-.aligned
+// form: the warps meeting on one barrier may reach it from different instructions (roles, or
+// loops compiled apart), which bar.sync (= barrier.sync.aligned) leaves undefined.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 // Arrive on named barrier `id` without waiting: the signalling side of a producer/consumer
 // hand-off, where the other side calls named_barrier_sync with the same thread count.
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 __device__ __forceinline__ uint32_t shared_addr(const void* p) {
