@@ -10,9 +10,9 @@
 //                                                    memory; the dQ tile staged there too and
 //                                                    added to global memory by one TMA bulk
 //                                                    reduction: full-line adds in L2)
-// The producer warpgroup streams Q and dO tiles through a ring of stages; each lane reads the
-// lse and delta values of its own columns from global memory, each load issued before a wgmma
-// whose wait hides its latency.
+// The producer warpgroup's first warp streams Q and dO tiles through a ring of stages, its
+// second issues the dQ adds; each consumer lane reads the lse and delta values of its own
+// columns from global memory, each load issued before a wait that hides its latency.
 #pragma once
 
 #include "../../kittens/kittens.cuh"
@@ -66,37 +66,59 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   }
   __syncthreads();
 
+  // dQ += dS K over all 128 keys of the block, so each dQ element gets one add per block: both
+  // consumers publish dS^T, then consumer c takes dQ's 64-column chunk c (at D = 64 only
+  // consumer 0 has one). A chunk leaves through shared memory and one TMA bulk add, issued by
+  // a writer warp of the producer warpgroup, so a consumer hands it over and moves on:
+  //   consumer: sync dq_empty(c), write the rows, fence, arrive dq_full(c)
+  //   writer:   sync dq_full(c), issue the add, wait until it has read the rows, arrive dq_empty(c)
+  constexpr int DQ_CHUNKS = D / 64;
+  static_assert(DQ_CHUNKS <= config::CONSUMERS, "one dQ chunk per consumer at most");
+  auto dq_empty = [](int chunk) { return 2 + chunk; };
+  auto dq_full = [](int chunk) { return 2 + DQ_CHUNKS + chunk; };
+  constexpr int DQ_HANDOFF_THREADS = 128 + 32;  // a consumer warpgroup and the writer warp
+
   if (warpgroup::groupid() == 0) {  // ---------------- producer ----------------
     warpgroup::decrease_registers<config::PRODUCER_REGS>();
-    if (threadIdx.x == 0 && steps > 0) {
+    const int warp = warpgroup::warp_in_group();
+    if (warp == 0 && laneid() == 0 && steps > 0) {  // loads
       tma::expect_bytes(s.kv_full, config::CONSUMERS * (sizeof(s.k[0]) + sizeof(s.v[0])));
       for (int c = 0; c < config::CONSUMERS; c++) {
         tma::load_async(&s.k[c], args.k, s.kv_full, 0, k0 + 64 * c, 0, kv_h, b);
         tma::load_async(&s.v[c], args.v, s.kv_full, 0, k0 + 64 * c, 0, kv_h, b);
       }
       s.stages.produce(walk, args.q, args.dout, b);
+    } else if (warp == 1 && steps > 0) {  // dQ writer
+      const bool lane0 = laneid() == 0;
+#pragma unroll
+      for (int chunk = 0; chunk < DQ_CHUNKS; chunk++) named_barrier_arrive(dq_empty(chunk), DQ_HANDOFF_THREADS);
+      query_walk::tile tile = walk.first();
+      for (int i = 0; i < steps; i++, walk.advance(tile)) {
+#pragma unroll
+        for (int chunk = 0; chunk < DQ_CHUNKS; chunk++) {
+          named_barrier_sync(dq_full(chunk), DQ_HANDOFF_THREADS);
+          if (lane0) {
+            tma::store_add_async(args.dq_accum, &s.dq[chunk], 0, tile.q0, 2 * chunk, tile.head, b);
+            tma::commit_group();
+          }
+        }
+        if (i + 1 == steps) break;  // no consumer waits for the last step's buffers
+        if (lane0) tma::wait_group_read<DQ_CHUNKS - 1>();
+        __syncwarp();
+        named_barrier_arrive(dq_empty(0), DQ_HANDOFF_THREADS);
+        if constexpr (DQ_CHUNKS == 2) {
+          if (lane0) tma::wait_group_read<0>();
+          __syncwarp();
+          named_barrier_arrive(dq_empty(1), DQ_HANDOFF_THREADS);
+        }
+      }
+      if (lane0) tma::wait_group<0>();  // the last adds have landed before the block exits
     }
   } else {  // ---------------- consumers ----------------
     warpgroup::increase_registers<config::CONSUMER_REGS>();
     const int consumer = warpgroup::groupid() - 1, warp = warpgroup::warp_in_group();
     const int key0 = k0 + 64 * consumer + 16 * warp;  // this warp's first key row
     const float c = p.scale * LOG2E;
-    const bool leader = threadIdx.x % 128 == 0;  // issues this consumer's bulk dQ adds
-
-    // dQ += dS K over all 128 keys of the block, so each dQ element gets one add per block:
-    // both consumers publish dS^T, then consumer c takes dQ's 64-column chunk c (at D = 64
-    // only consumer 0 has one). The chunk goes out through shared memory and one TMA bulk
-    // add; the rows are written at the end of a step, and the fence, barrier and add wait for
-    // the next step's first products to be issued, so they run under those.
-    static_assert(D / 64 <= config::CONSUMERS, "one dQ chunk per consumer at most");
-    auto issue_dq_add = [&](int h, int q0) {  // every warp has written its rows of s.dq
-      warpgroup::fence_shared_to_async();
-      named_barrier_sync(2 + consumer, 128);
-      if (leader) {
-        tma::store_add_async(args.dq_accum, &s.dq[consumer], 0, q0, 2 * consumer, h, b);
-        tma::commit_group();
-      }
-    };
 
     rt_fl<16, D> dk, dv;
     zero(dk);
@@ -106,9 +128,12 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     // The consumer's sweep, compiled apart for consumers without a dQ chunk (consumer 1 at
     // D = 64) so that every wgmma wait counts a fixed set of products.
     auto sweep = [&]<bool has_chunk>() {
-      query_walk::tile tile = walk.first(), previous = tile;
-      for (int i = 0; i < steps; i++, previous = tile, walk.advance(tile)) {
+      query_walk::tile tile = walk.first();
+      for (int i = 0; i < steps; i++, walk.advance(tile)) {
         const int q0 = tile.q0;
+        // lse2 first: its load has the stage wait and both first products to land.
+        col_vec<QT> lse2, delta;
+        load(lse2, p.lse + stats_offset(p, b, tile));
         const int stage = s.stages.acquire(i);
         const auto& q_tile = s.stages.q[stage];
         const auto& dout_tile = s.stages.dout[stage];
@@ -118,9 +143,6 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         rt_fl<16, QT> probs, dprobs;
         warpgroup::mma_ABt(probs, s.k[consumer], q_tile, false);
         warpgroup::mma_ABt(dprobs, s.v[consumer], dout_tile, false);
-        if (has_chunk && i > 0) issue_dq_add(previous.head, previous.q0);  // the previous step's chunk
-        col_vec<QT> lse2, delta;
-        load(lse2, p.lse + stats_offset(p, b, tile));
         warpgroup::wait<1>();  // S^T is ready
         if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
           mask(probs, key0, q0, [&](int kj, int qi) { return mask_band.visible(qi, kj); });
@@ -138,8 +160,8 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
 
         // dS^T is double-buffered by step parity: a buffer is rewritten two steps later, when
         // both consumers have passed the barrier after their last product that read it.
-        // dQ's product goes first after the barrier, so its rows are written out while
-        // dK's product runs.
+        // dQ's product goes first after the barrier, so its rows are handed to the writer
+        // while dK's product runs.
         const int buf = i & 1;
         store(s.ds[buf][consumer], ds_16, 16 * warp, 0);
         warpgroup::fence_shared_to_async();
@@ -153,15 +175,14 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         warpgroup::mma_AB(dk, ds_16, q_tile, true);  // dK += dS^T Q
         if constexpr (has_chunk) {
           warpgroup::wait<1>();  // dQ is ready
-          // Write the rows once the previous bulk add has read the buffer.
-          if (leader) tma::wait_group_read<0>();
-          named_barrier_sync(2 + consumer, 128);
+          named_barrier_sync(dq_empty(consumer), DQ_HANDOFF_THREADS);  // the writer has read the last chunk
           store(s.dq[consumer], dq, 16 * warp, 0);
+          warpgroup::fence_shared_to_async();
+          named_barrier_arrive(dq_full(consumer), DQ_HANDOFF_THREADS);
         }
         warpgroup::wait<0>();  // dK's product has read this stage's Q
         s.stages.release(i);
       }
-      if (has_chunk && steps > 0) issue_dq_add(previous.head, previous.q0);
     };
     if constexpr (D / 64 == config::CONSUMERS) sweep.template operator()<true>();
     else if (consumer < D / 64) sweep.template operator()<true>();
@@ -171,7 +192,6 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     const auto dV = gl<T>::contiguous((T*)p.dv, p.batch, p.seq_k, p.heads_kv, D);
     store(dK, dk, {b, kv_h, key0});
     store(dV, dv, {b, kv_h, key0});
-    if (leader) tma::wait_group<0>();  // the last bulk adds have landed before the block exits
   }
 }
 
