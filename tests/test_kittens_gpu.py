@@ -46,8 +46,9 @@ def test_mma_ab_and_abt(kernels, rng, dtype, target):
 def test_maps_reductions_broadcasts_masks(kernels, rng):
     x = (3 * rng.standard_normal((64, 64))).astype(jnp.bfloat16)
     col = rng.standard_normal(64).astype(np.float32)
-    outs = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 3 + [jax.ShapeDtypeStruct((64,), jnp.float32)] * 2
-    softmax, masked, col_mapped, row_max, row_sum = _call("tk_test_rowops", outs, jnp.asarray(x), jnp.asarray(col))
+    outs = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 4 + [jax.ShapeDtypeStruct((64,), jnp.float32)] * 2
+    softmax, masked, banded, col_mapped, row_max, row_sum = _call("tk_test_rowops", outs, jnp.asarray(x),
+                                                                  jnp.asarray(col))
     x64 = x.astype(np.float64)
     np.testing.assert_allclose(np.asarray(col_mapped), x64 * col - col, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(row_max), x64.max(1), rtol=0, atol=0)
@@ -56,6 +57,10 @@ def test_maps_reductions_broadcasts_masks(kernels, rng):
     np.testing.assert_allclose(np.asarray(softmax), p / p.sum(1, keepdims=True), rtol=2e-5, atol=1e-6)
     causal = np.where(np.tril(np.ones((64, 64), bool)), x64, -1e30) * 2
     np.testing.assert_allclose(np.asarray(masked), causal, rtol=1e-6)
+    # mask_band: -5 <= col - row <= 3, row < 50, col < 61 (constants of kittens_ops.cu)
+    r, c = np.indices((64, 64))
+    keep = (c - r >= -5) & (c - r <= 3) & (r < 50) & (c < 61)
+    np.testing.assert_array_equal(np.asarray(banded), np.where(keep, x64, -1e30).astype(np.float32))
 
 
 def test_tma_and_wgmma(kernels, rng):

@@ -100,8 +100,11 @@ ffi::Error Mma(cudaStream_t s, ffi::Buffer<DT> a, ffi::Buffer<DT> b, ffi::Buffer
 }
 
 // ---- maps, row reductions, row and column broadcasts, masks on a 64x64 fp32 register tile ----
+// The band kept by mask_band in rowops_kernel, in whole-tile coordinates.
+constexpr int BAND_LO = -5, BAND_HI = 3, BAND_ROWS = 50, BAND_COLS = 61;
+
 __global__ void rowops_kernel(gl<bf16> x, const float* col, gl<float> softmax, gl<float> masked,
-                              gl<float> col_mapped, float* row_max_out, float* row_sum_out) {
+                              gl<float> banded, gl<float> col_mapped, float* row_max_out, float* row_sum_out) {
   __shared__ st<bf16, ROWS, 64> sx;
   load_async<128>(sx, x, {0, 0, 0});
   cp_async_commit();
@@ -132,6 +135,9 @@ __global__ void rowops_kernel(gl<bf16> x, const float* col, gl<float> softmax, g
   rt_fl<16, 64> by_col = t;
   map_cols(by_col, c, [](float x, float cj) { return x * cj - cj; });
   store(col_mapped, by_col, {0, 0, row0});
+  rt_fl<16, 64> band = t;  // BAND_LO <= col - row <= BAND_HI, row < BAND_ROWS, col < BAND_COLS
+  mask_band(band, BAND_LO + row0, BAND_HI + row0, BAND_ROWS - row0, BAND_COLS, -1e30f);
+  store(banded, band, {0, 0, row0});
   mask(t, row0, 0, [](int i, int j) { return j <= i; }, -1e30f);  // causal
   mul(t, 2.f);
   store(masked, t, {0, 0, row0});
@@ -139,7 +145,7 @@ __global__ void rowops_kernel(gl<bf16> x, const float* col, gl<float> softmax, g
 
 ffi::Error RowOps(cudaStream_t s, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> col,
                   ffi::Result<ffi::Buffer<ffi::F32>> softmax, ffi::Result<ffi::Buffer<ffi::F32>> masked,
-                  ffi::Result<ffi::Buffer<ffi::F32>> col_mapped, ffi::Result<ffi::Buffer<ffi::F32>> row_max_out,
+                  ffi::Result<ffi::Buffer<ffi::F32>> banded, ffi::Result<ffi::Buffer<ffi::F32>> col_mapped, ffi::Result<ffi::Buffer<ffi::F32>> row_max_out,
                   ffi::Result<ffi::Buffer<ffi::F32>> row_sum_out) {
   if (x.element_count() != ROWS * 64) return ffi::Error::InvalidArgument("x must be [64, 64]");
   if (col.element_count() != 64) return ffi::Error::InvalidArgument("col must be [64]");
@@ -147,6 +153,7 @@ ffi::Error RowOps(cudaStream_t s, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32
       gl<bf16>::contiguous(reinterpret_cast<bf16*>(x.typed_data()), 1, ROWS, 1, 64), col.typed_data(),
       gl<float>::contiguous(softmax->typed_data(), 1, ROWS, 1, 64),
       gl<float>::contiguous(masked->typed_data(), 1, ROWS, 1, 64),
+      gl<float>::contiguous(banded->typed_data(), 1, ROWS, 1, 64),
       gl<float>::contiguous(col_mapped->typed_data(), 1, ROWS, 1, 64), row_max_out->typed_data(),
       row_sum_out->typed_data());
   return launched("tk_test_rowops");
@@ -177,6 +184,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_rowops, RowOps,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         warpgroup::mma_ABt(dprobs, s.v[consumer], dout_tile, false);
         warpgroup::wait<1>();  // S^T is ready
         if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
-          mask(probs, key0, q0, [&](int kj, int qi) { return mask_band.visible(qi, kj); });
+          mask_band.mask<true>(probs, q0, key0);
         map_cols(probs, lse2, [=](float x, float lse2) { return fast_exp2(c * x - lse2); });
         rt<T, 16, QT> probs_16;
         copy(probs_16, probs);

@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_const
 
     const int k0 = tile * FWD_KV_ROWS, row0 = q0 + 16 * warp;
     if (mask_band.cuts(row0, 16, k0, FWD_KV_ROWS))
-      mask(scores, row0, k0, [&](int i, int j) { return mask_band.visible(i, j); });
+      mask_band.mask(scores, row0, k0);
     row_vec<16> rescale;
     online_softmax_step(scores, m, l, rescale, c);
     mul_row(o, rescale);

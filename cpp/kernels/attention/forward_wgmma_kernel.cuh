@@ -147,7 +147,7 @@ __device__ __forceinline__ void attend_item(wgmma_forward_shared<T, D, C>& s, co
     s.k_ring.release(kv_use + i);
     const int k0 = (w.first_tile + i) * KV;
     if (mask_band.cuts(row0, 16, k0, KV))
-      mask(scores, row0, k0, [&](int r, int j) { return mask_band.visible(r, j); });
+      mask_band.mask(scores, row0, k0);
     online_softmax_step(scores, m, l, rescale, c);
   };
   auto add_pv = [&](int i, const rt<T, 16, KV>& probs) {  // O += P_i V_i, issued asynchronously

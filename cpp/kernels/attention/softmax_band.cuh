@@ -39,6 +39,19 @@ struct band {
     return {window_right >= 0 ? max(0, first - offset() - window_right) : 0,
             window_left >= 0 ? min(seq_q, last - offset() + window_left + 1) : seq_q};
   }
+  // Masks a tile of scores whose element (r, c) pairs query q0 + r with key k0 + c, or (with
+  // keys_down) key k0 + r with query q0 + c: invisible pairs become -inf. Query i sees key j
+  // when j - i lies in [offset - window_left, offset + window_right] and j < seq_k.
+  template <bool keys_down = false, int R, int C>
+  __device__ void mask(rt_fl<R, C>& scores, int q0, int k0) const {
+    constexpr int unbounded = 1 << 29;
+    const int lo = window_left >= 0 ? offset() - window_left - (k0 - q0) : -unbounded;  // bounds on j - i,
+    const int hi = window_right >= 0 ? offset() + window_right - (k0 - q0) : unbounded; // tile-relative
+    if constexpr (keys_down)  // col - row = i - j
+      mask_band(scores, -hi, -lo, seq_k - k0, unbounded);
+    else  // col - row = j - i
+      mask_band(scores, lo, hi, unbounded, seq_k - k0);
+  }
   // Whether some pair of queries [q0, q0 + nq) x keys [k0, k0 + nk) is invisible, so the
   // tile needs element masks (tiles wholly outside the band are never visited).
   __device__ bool cuts(int q0, int nq, int k0, int nk) const {

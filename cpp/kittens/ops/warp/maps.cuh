@@ -203,4 +203,32 @@ __device__ __forceinline__ void mask(rt_fl<R, C>& t, int row0, int col0, Keep&& 
   });
 }
 
+// Band mask: keeps the elements with lo <= col - row <= hi, row < rows and col < cols (rows and
+// columns counted from the tile's first element) and sets the rest to `fill`. The same keep set
+// as a mask() over a causal or sliding-window band, but cheap: a lane's elements sit at fixed
+// offsets from its first one, and on one row the column limit is one more bound on col - row,
+// so each element costs two compares of a constant with per-row bounds.
+template <int R, int C>
+__device__ __forceinline__ void mask_band(rt_fl<R, C>& t, int lo, int hi, int rows, int cols, float fill = NEG_INF) {
+  const int row = fragment_row(0), col = fragment_col(0, 0);  // the lane's first element
+  const int lo_lane = lo - (col - row), hi_lane = hi - (col - row), rows_lane = rows - row, cols_lane = cols - col;
+#pragma unroll
+  for (int i = 0; i < t.height; i++)
+#pragma unroll
+    for (int down = 0; down < 2; down++) {  // registers k with k % 2 == down sit 8 rows lower
+      const int dr = 16 * i + 8 * down;  // row offset from the lane's first element
+      // On this row: col < cols means (col - row) - (dr offset) <= cols_lane - 1 - dr.
+      const int hi_row = dr < rows_lane ? min(hi_lane, cols_lane - 1 - dr) : lo_lane - 1;
+#pragma unroll
+      for (int j = 0; j < t.width; j++)
+#pragma unroll
+        for (int right = 0; right < 2; right++) {  // register 2 * right + down
+          float2& p = t.tiles[i][j].data[2 * right + down];
+          const int d = 16 * j + 8 * right - dr;  // (col - row) offset of p.x; p.y is d + 1
+          p.x = d >= lo_lane && d <= hi_row ? p.x : fill;
+          p.y = d + 1 >= lo_lane && d + 1 <= hi_row ? p.y : fill;
+        }
+    }
+}
+
 }  // namespace kittens
