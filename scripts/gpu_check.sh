@@ -30,7 +30,7 @@ python3 -m pytest -m gpu -q -p no:cacheprovider "$@" ${TK_GPU_TESTS:-tests} 2>&1
 tests_rc=${PIPESTATUS[0]}
 
 if [ "${TK_SANITIZE:-0}" = 1 ]; then
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do
     # XLA's preallocated pool under the sanitizer can run out of memory: allocate on demand.
     XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$tool" --error-exitcode 3 \
       python3 scripts/sanitize_case.py >"$LOG/sanitize-$tool.log" 2>&1

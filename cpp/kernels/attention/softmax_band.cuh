@@ -25,10 +25,6 @@ struct band {
     return {p.seq_q, p.seq_k, p.window_left, p.window_right};
   }
   __device__ int offset() const { return seq_k - seq_q; }
-  __device__ bool visible(int i, int j) const {
-    return j < seq_k && (window_right < 0 || j <= i + offset() + window_right) &&
-           (window_left < 0 || j >= i + offset() - window_left);
-  }
   // Keys that queries [first, last] may see.
   __device__ key_range keys_of(int first, int last) const {
     return {window_left >= 0 ? max(0, first + offset() - window_left) : 0,
