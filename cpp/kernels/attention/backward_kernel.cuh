@@ -53,8 +53,9 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   extern __shared__ char smem_raw[];
   auto& s = aligned_shared<backward_shared<T, D>>(smem_raw);
 
-  const int kv_h = blockIdx.y, b = blockIdx.z;
-  const int k0 = blockIdx.x * config::KV_ROWS;
+  const key_block_of block = key_block_of::this_block(args);
+  const int kv_h = block.kv_h, b = block.b;
+  const int k0 = block.index * config::KV_ROWS;
   const band mask_band = band::of(p);
   const query_walk walk = query_walk::of(p, mask_band, kv_h, k0, config::KV_ROWS);
   const int steps = walk.steps;
@@ -199,7 +200,9 @@ template <typename T, int D>
 cudaError_t launch_backward(const BackwardParams& p, cudaStream_t stream) {
   using config = backward_config<D>;
   BackwardArgs args{};
-  if (cudaError_t err = prepare_backward<T, D>(args, p, 64, stream); err != cudaSuccess) return err;
+  // One (batch, KV head) pair per group: interleaving pairs (as the split kernel does) lost
+  // 2-9% here at D = 64 and was neutral at D = 128 (bench/NOTES.md, s10-7).
+  if (cudaError_t err = prepare_backward<T, D>(args, p, 64, 0, stream); err != cudaSuccess) return err;
   const int smem = int(sizeof(backward_shared<T, D>)) + 1024;
   const dim3 grid((p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS, p.heads_kv, p.batch);
   return launch_with_shared<backward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);

@@ -72,8 +72,9 @@ __global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
   extern __shared__ char smem_raw[];
   auto& s = aligned_shared<split_backward_shared<T, D>>(smem_raw);
 
-  const int kv_h = blockIdx.y, b = blockIdx.z;
-  const int k0 = blockIdx.x * config::KV_ROWS;
+  const key_block_of block = key_block_of::this_block(args);
+  const int kv_h = block.kv_h, b = block.b;
+  const int k0 = block.index * config::KV_ROWS;
   const band mask_band = band::of(p);
   const query_walk walk = query_walk::of(p, mask_band, kv_h, k0, config::KV_ROWS);
 
@@ -162,7 +163,11 @@ template <typename T, int D>
 cudaError_t launch_split_backward(const BackwardParams& p, cudaStream_t stream) {
   using config = split_backward_config<D>;
   BackwardArgs args{};
-  if (cudaError_t err = prepare_backward<T, D>(args, p, config::KV_ROWS, stream); err != cudaSuccess) return err;
+  // Pairs interleave in groups whose Q, dO and dQ accumulator fill at most 32 MB of the 50 MB L2:
+  // +3-5% fwd+bwd at 2k-4k over one pair at a time (bench/NOTES.md, s10-7).
+  constexpr size_t group_l2_bytes = size_t(32) << 20;
+  if (cudaError_t err = prepare_backward<T, D>(args, p, config::KV_ROWS, group_l2_bytes, stream); err != cudaSuccess)
+    return err;
   const int smem = int(sizeof(split_backward_shared<T, D>)) + 1024;
   const dim3 grid((p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS, p.heads_kv, p.batch);
   return launch_with_shared<split_backward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);

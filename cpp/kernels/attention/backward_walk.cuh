@@ -3,6 +3,8 @@
 // those Q / dO tiles through a ring of stages.
 #pragma once
 
+#include <algorithm>
+
 #include "../../kittens/kittens.cuh"
 #include "attention.h"
 #include "softmax_band.cuh"
@@ -15,11 +17,15 @@ struct BackwardArgs {
   CUtensorMap q, k, v, dout;  // boxes: BACKWARD_Q_TILE query rows, the kernel's key rows
   CUtensorMap dq_accum;       // fp32, boxes of BACKWARD_Q_TILE rows x 64 columns (bulk adds)
   BackwardParams p;
+  int pairs_per_group;        // (batch, KV head) pairs whose blocks interleave; see key_block_of
 };
 
-// The tensor maps of `args` for element type T, and dq_accum zeroed on `stream`.
+// The tensor maps of `args` for element type T, and dq_accum zeroed on `stream`. Groups of
+// (batch, KV head) pairs (key_block_of) hold at most `group_l2_bytes` of Q, dO and dQ
+// accumulator; 0 makes every group one pair.
 template <typename T, int D>
-cudaError_t prepare_backward(BackwardArgs& args, const BackwardParams& p, int kv_rows, cudaStream_t stream) {
+cudaError_t prepare_backward(BackwardArgs& args, const BackwardParams& p, int kv_rows, size_t group_l2_bytes,
+                             cudaStream_t stream) {
   args.p = p;
   const bool bf = std::is_same_v<T, bf16>;
   if (!tma::make_bshd_map(&args.q, p.q, bf, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE) ||
@@ -28,9 +34,32 @@ cudaError_t prepare_backward(BackwardArgs& args, const BackwardParams& p, int kv
       !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, kv_rows) ||
       !tma::make_bshd_map_f32(&args.dq_accum, p.dq_accum, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE, 64))
     return cudaErrorInvalidValue;
+  const size_t pair_bytes = size_t(p.seq_q) * (p.heads_q / p.heads_kv) * D * (2 * sizeof(T) + sizeof(float));
+  const int pairs = p.batch * p.heads_kv;
+  args.pairs_per_group = int(std::clamp<size_t>(group_l2_bytes / pair_bytes, 1, size_t(pairs)));
   const size_t dq_bytes = size_t(p.batch) * p.seq_q * p.heads_q * D * sizeof(float);
   return cudaMemsetAsync(p.dq_accum, 0, dq_bytes, stream);
 }
+
+// The key block, KV head and batch a thread block owns, for a grid of (key blocks, KV heads,
+// batch). Blocks start roughly in launch order, so the order sets the balance at the end:
+// under a causal mask a key block's work shrinks as its index grows, and the lightest blocks
+// should start last. The (batch, KV head) pairs go in groups of args.pairs_per_group (set by
+// prepare_backward from an L2 budget); inside a group, key block 0 of every pair comes first,
+// then key block 1, and so on. Groups of one pair give the plain order, pair after pair.
+struct key_block_of {
+  int index, kv_h, b;
+
+  __device__ static key_block_of this_block(const BackwardArgs& args) {
+    const int key_blocks = gridDim.x, pairs = gridDim.y * gridDim.z;
+    const int linear = blockIdx.x + key_blocks * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int first_pair = linear / (key_blocks * args.pairs_per_group) * args.pairs_per_group;
+    const int group = min(args.pairs_per_group, pairs - first_pair);
+    const int in_group = linear - first_pair * key_blocks;
+    const int pair = first_pair + in_group % group;
+    return {in_group / group, pair % int(gridDim.y), pair / int(gridDim.y)};
+  }
+};
 
 // A block owning keys [k0, k0 + rows) of KV head kv_h visits, step by step, every query tile
 // (BACKWARD_Q_TILE rows) of every query head of its GQA group that can see one of those keys.
