@@ -145,8 +145,8 @@ __global__ void rowops_kernel(gl<bf16> x, const float* col, gl<float> softmax, g
 
 ffi::Error RowOps(cudaStream_t s, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> col,
                   ffi::Result<ffi::Buffer<ffi::F32>> softmax, ffi::Result<ffi::Buffer<ffi::F32>> masked,
-                  ffi::Result<ffi::Buffer<ffi::F32>> banded, ffi::Result<ffi::Buffer<ffi::F32>> col_mapped, ffi::Result<ffi::Buffer<ffi::F32>> row_max_out,
-                  ffi::Result<ffi::Buffer<ffi::F32>> row_sum_out) {
+                  ffi::Result<ffi::Buffer<ffi::F32>> banded, ffi::Result<ffi::Buffer<ffi::F32>> col_mapped,
+                  ffi::Result<ffi::Buffer<ffi::F32>> row_max_out, ffi::Result<ffi::Buffer<ffi::F32>> row_sum_out) {
   if (x.element_count() != ROWS * 64) return ffi::Error::InvalidArgument("x must be [64, 64]");
   if (col.element_count() != 64) return ffi::Error::InvalidArgument("col must be [64]");
   rowops_kernel<<<1, 128, 0, s>>>(

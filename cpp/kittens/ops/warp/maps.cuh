@@ -180,17 +180,6 @@ __device__ __forceinline__ void map(row_vec<R>& dst, const row_vec<R>& a, const 
     dst.data[i][1] = f(a.data[i][1], b.data[i][1]);
   }
 }
-// Column-vector map: v[c] = f(v[c]).
-template <int C, typename F>
-__device__ __forceinline__ void map(col_vec<C>& v, F&& f) {
-#pragma unroll
-  for (int j = 0; j < v.width; j++)
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-      v.data[j][h].x = f(v.data[j][h].x);
-      v.data[j][h].y = f(v.data[j][h].y);
-    }
-}
 // Row index (within the tile) of v.data[i][h] for this lane.
 __device__ __forceinline__ int row_vec_row(int i, int h) { return 16 * i + (laneid() >> 2) + 8 * h; }
 
