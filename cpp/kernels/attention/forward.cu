@@ -18,7 +18,8 @@ const char* forward_unsupported(const ForwardParams& p) {
   if (!(std::isfinite(p.scale) && p.scale > 0.f)) return "scale must be finite and > 0";
   if (p.window_left < -1 || p.window_right < -1) return "window bounds must be >= -1";
   if (p.batch > 65535 || p.heads_q > 65535) return "batch and heads_q must be <= 65535";
-  if (int64_t(p.seq_q + 127) / 128 * p.heads_q * p.batch > INT32_MAX / 2) return "too many query blocks for the persistent walk's item numbers";
+  if (int64_t(p.seq_q + 127) / 128 * p.heads_q * p.batch > INT32_MAX / 2)
+    return "too many query blocks for the persistent walk's item numbers";
   return nullptr;
 }
 
