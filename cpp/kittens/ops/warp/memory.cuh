@@ -133,21 +133,25 @@ __device__ __forceinline__ void store(st<T, SR, SC>& dst, const rt<U, R, C, layo
 }
 
 // Register tile (row layout) straight to global, converting to T; rows past dst.seq skipped.
+// A lane touches two rows per 16-row base tile: it finds each row's address and bound once
+// and writes the row's pairs at constant offsets from it.
 template <typename T, typename U, int R, int C>
 __device__ __forceinline__ void store(const gl<T>& dst, const rt<U, R, C, layout::row>& src, tile_coord coord) {
 #pragma unroll
   for (int i = 0; i < src.height; i++)
 #pragma unroll
-    for (int j = 0; j < src.width; j++)
+    for (int down = 0; down < 2; down++) {  // registers 2 * half + down sit 8 rows lower
+      const int r = coord.row0 + 16 * i + fragment_row(down);
+      if (r >= dst.seq) continue;
+      T* row = dst.row(coord.b, r, coord.h) + fragment_col(0, 0);
 #pragma unroll
-      for (int k = 0; k < 4; k++) {
-        const int r = coord.row0 + 16 * i + fragment_row(k);
-        if (r < dst.seq) {
-          const float2 v = unpack(src.tiles[i][j].data[k]);
-          *reinterpret_cast<packed_t<T>*>(dst.row(coord.b, r, coord.h) + 16 * j + fragment_col(k, 0)) =
-              pack<T>(v.x, v.y);
+      for (int j = 0; j < src.width; j++)
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+          const float2 v = unpack(src.tiles[i][j].data[2 * half + down]);
+          *reinterpret_cast<packed_t<T>*>(row + 16 * j + 8 * half) = pack<T>(v.x, v.y);
         }
-      }
+    }
 }
 
 // Atomically add a float register tile (row layout) into a float global tensor: tile row r is
