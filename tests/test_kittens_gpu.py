@@ -96,3 +96,14 @@ def test_fp32_shared_tiles_bulk_store_and_add(kernels, rng):
     out, copy = _call("tk_test_bulk_add", (shape, shape), jnp.asarray(base), jnp.asarray(x))
     np.testing.assert_array_equal(np.asarray(copy), x[:50])
     np.testing.assert_allclose(np.asarray(out), base.astype(np.float64) + 2 * x[:50], rtol=1e-6, atol=1e-6)
+
+
+def test_cluster_mailbox(kernels, rng):
+    """Two blocks of a cluster swap fp32 register tiles through each other's shared memory,
+    32 columns per use, six uses (barrier phases wrap): block r's tile in round n is x[r] + n,
+    so block r ends with x[r] + 3 x[1 - r] + 3. A use read at the wrong phase, a column half
+    sent twice or a partner mixed up changes the sum."""
+    x = rng.standard_normal((2, 64, 64)).astype(np.float32)
+    out = _call("tk_test_mailbox", jax.ShapeDtypeStruct((2, 64, 64), jnp.float32), jnp.asarray(x))
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(out), x64 + 3 * x64[::-1] + 3, rtol=1e-6, atol=1e-5)

@@ -1,11 +1,12 @@
 // kittens: a small tile library for Hopper kernels, in the spirit of ThunderKittens.
 // Levels: warp (register tiles, mma.sync, maps, reductions), warpgroup (wgmma, TMA and
-// mbarriers, the producer/consumer ring), block (cooperative copies).
+// mbarriers, the producer/consumer ring), block (cooperative copies, clusters).
 #pragma once
 
 #include "common/base.cuh"
 #include "common/launch.cuh"
 #include "common/tma_host.cuh"
+#include "ops/block/cluster.cuh"
 #include "ops/block/memory.cuh"
 #include "ops/warp/maps.cuh"
 #include "ops/warp/memory.cuh"

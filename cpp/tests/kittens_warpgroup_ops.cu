@@ -183,6 +183,47 @@ ffi::Error BulkAdd(cudaStream_t stream, ffi::Buffer<ffi::F32> base, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+// ---- cluster mailbox: two blocks of a cluster swap 64 x 64 fp32 tiles, 32 columns per use
+// through two slots, three rounds (six uses: each slot's barrier phases wrap); block r's tile
+// in round n is x[r] + n, so out[r] = x[r] + sum_n (x[1 - r] + n) = x[r] + 3 x[1 - r] + 3 ----
+constexpr int MAIL_ROUNDS = 3;
+
+struct mail_test_shared {
+  cluster::mailbox<16, 32, 2> mail;
+};
+
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(128) mail_test_kernel(const float* x, float* out) {
+  extern __shared__ char smem_raw[];
+  auto& s = aligned_shared<mail_test_shared>(smem_raw);
+  const int rank = cluster::rank(), partner = rank ^ 1, row0 = 16 * warpgroup::warp_in_group();
+  if (threadIdx.x == 0) {
+    s.mail.init();
+    tma::fence_barrier_init();
+  }
+  cluster::sync();
+  rt_fl<16, 64> mine;
+  for_each(mine, [&](float& v, int r, int c) { v = x[(rank * 64 + row0 + r) * 64 + c]; });
+  rt_fl<16, 64> sum = mine;
+  for (int round = 0; round < MAIL_ROUNDS; round++) {
+    for (int half = 0; half < 2; half++) {
+      const int use = 2 * round + half;
+      s.mail.send(mine, 2 * half, partner, use);
+      s.mail.receive_add(sum, 2 * half, partner, use);
+    }
+    map(mine, [](float v) { return v + 1.f; });
+  }
+  store(gl<float>::contiguous(out + rank * 64 * 64, 1, 64, 1, 64), sum, {0, 0, row0});
+  cluster::sync();  // the partner's last arrive on this block's barrier has landed
+}
+
+ffi::Error Mailbox(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  if (x.element_count() != 2 * 64 * 64) return ffi::Error::InvalidArgument("x must be [2, 64, 64]");
+  const int smem = int(sizeof(mail_test_shared)) + 1024;
+  const cudaError_t err = launch_with_shared<mail_test_kernel>(2, 128, smem, stream, x.typed_data(), out->typed_data());
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("tk_test_mailbox: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_ring, Ring,
@@ -206,4 +247,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_wgmma, Wgmma,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_mailbox, Mailbox,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
