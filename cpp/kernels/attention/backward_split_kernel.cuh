@@ -6,10 +6,16 @@
 // c = scale * log2(e), lse2 = log2(e) lse and delta = scale (rowsum(dO o O) - dlse) per column:
 //   P warpgroup:   S^T = K Q^T      P^T = 2^(c S^T - lse2)                 dV += P^T dO
 //   dS warpgroup:  dP^T = V dO^T    dS^T = P^T o (scale dP^T - delta)     dK += dS^T Q
-//   both:          dQ += dS K, 128 of the 256 columns each (one fp32 atomic add per element)
+//   both:          dQ += dS K, 128 of the 256 columns each
 // P^T reaches the dS warpgroup through shared memory, warp w to warp w (the same 16 keys), and
 // dS^T reaches both for dQ the same way. Each product is 64 x 64 x 256 or 64 x 256 x 64, so the
 // two roles do equal work and no product is computed twice.
+//
+// The fp32 atomic adds into dQ are what bound this kernel: every key block adds a full 64 x 256
+// tile per step into L2 (ncu, s11-2: L2 86% busy; skipping half of them, s11-3: +36%). So blocks
+// run in clusters of two over neighbouring key blocks that walk the same query tiles: block r
+// adds the pair's sum for its half of the columns, receiving the partner's half-tile through a
+// shared-memory mailbox (DSMEM), which halves the traffic into L2: fwd+bwd +7-15% (s11-7).
 #pragma once
 
 #include "../../kittens/kittens.cuh"
@@ -29,6 +35,7 @@ struct split_backward_config {
   static constexpr int PRODUCER_REGS = 24;
   static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, THREADS / 128 - 1);  // 240
   static constexpr int CONSUMER_WARPS = 8;
+  static constexpr int CLUSTER = 2;  // blocks over neighbouring key blocks that share dQ adds
 };
 
 template <typename T, int D>
@@ -36,11 +43,13 @@ struct split_backward_shared {
   using config = split_backward_config<D>;
   st<T, config::KV_ROWS, D> k, v;
   query_stages<T, D, config::STAGES> stages;
-  // P^T of the current step (keys x queries). One buffer is enough: the P warpgroup rewrites it
-  // only after the dS barrier of the step, which the dS warpgroup reaches after reading it.
-  st<T, config::KV_ROWS, config::Q_ROWS> probs;
-  // dS^T by step parity: dQ's products read it asynchronously after the dS barrier.
+  // By step parity, P^T (keys x queries) and then, in place, dS^T: dS warp w reads P^T rows of
+  // warp w and overwrites them with dS^T; dQ's products read it asynchronously after the dS
+  // barrier. A buffer is rewritten two steps later, after both roles' products of its step.
   st<T, config::KV_ROWS, config::Q_ROWS> ds[2];
+  // The partner block's dQ contribution to this block's columns, 64 x 16 at a time in three
+  // slots (12 KB: a 16 KB mailbox would pass the 227 KB limit).
+  cluster::mailbox<16, 16, 3> dq_mail;
   tma::barrier kv_full;
 };
 
@@ -49,22 +58,33 @@ struct split_backward_shared {
 constexpr int PROBS_READY_BARRIER = 1;  // + warp (1..4)
 constexpr int DS_READY_BARRIER = 5;
 
-// dQ[q0 .., col0 .. col0 + 128) += dS K[:, col0 .. col0 + 128), in two 64-column products.
+// This block's dQ[q0 .., col0 .. col0 + 128) contribution dS K[:, col0 .. col0 + 128), in two
+// 64-column products, each through the mailbox 16 columns at a time. The block that owns the
+// columns adds the partner's chunk to its own and the sum to global memory; the other sends.
 template <typename T, int D>
 __device__ __forceinline__ void add_dq_half(const gl<float>& dq_accum, const st<T, 64, 64>& ds,
-                                            const st<T, 64, D>& k, int col0, tile_coord rows) {
+                                            const st<T, 64, D>& k, int col0, tile_coord rows,
+                                            cluster::mailbox<16, 16, 3>& mail, bool owner, int partner, int step) {
 #pragma unroll
   for (int chunk = 0; chunk < 2; chunk++) {
     rt_fl<16, 64> dq;
     warpgroup::mma_AtB(dq, ds, k, col0 + 64 * chunk, false);
     warpgroup::wait<0>();
-    atomic_add(dq_accum, dq, rows, col0 + 64 * chunk);
+#pragma unroll
+    for (int part = 0; part < 4; part++) {  // the mailbox takes 16 columns at a time
+      const int use = 8 * step + 4 * chunk + part;
+      if (owner)
+        mail.receive_add(dq, part, partner, use);
+      else
+        mail.send(dq, part, partner, use);
+    }
+    if (owner) atomic_add(dq_accum, dq, rows, col0 + 64 * chunk);
   }
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
-    split_backward_kernel(const __grid_constant__ BackwardArgs args) {
+__global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
+    __launch_bounds__(split_backward_config<D>::THREADS, 1) split_backward_kernel(const __grid_constant__ BackwardArgs args) {
   using config = split_backward_config<D>;
   constexpr int QT = config::Q_ROWS;
   static_assert(D == 256, "the role-split backward is built for head_dim 256");
@@ -72,18 +92,23 @@ __global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
   extern __shared__ char smem_raw[];
   auto& s = aligned_shared<split_backward_shared<T, D>>(smem_raw);
 
-  const key_block_of block = key_block_of::this_block(args);
+  const key_block_of block = key_block_of::this_block(args, config::CLUSTER);
   const int kv_h = block.kv_h, b = block.b;
   const int k0 = block.index * config::KV_ROWS;
   const band mask_band = band::of(p);
-  const query_walk walk = query_walk::of(p, mask_band, kv_h, k0, config::KV_ROWS);
+  // Both blocks of the cluster walk the query tiles that see either's keys (the partner may
+  // own no keys at all when the key blocks are odd in number: its masks then zero every step).
+  const int rank = cluster::rank(), partner = rank ^ 1;
+  const int pair_k0 = k0 - rank * config::KV_ROWS;
+  const query_walk walk = query_walk::of(p, mask_band, kv_h, pair_k0, config::CLUSTER * config::KV_ROWS);
 
   if (threadIdx.x == 0) {
     tma::init(s.kv_full, 1);
     s.stages.init(config::CONSUMER_WARPS);
+    s.dq_mail.init();
     tma::fence_barrier_init();
   }
-  __syncthreads();
+  cluster::sync();  // the partner's barriers are initialised before any remote arrive
 
   if (warpgroup::groupid() == 0) {  // ---------------- producer ----------------
     warpgroup::decrease_registers<config::PRODUCER_REGS>();
@@ -93,6 +118,7 @@ __global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
       tma::load_async(&s.v, args.v, s.kv_full, 0, k0, 0, kv_h, b);
       s.stages.produce(walk, args.q, args.dout, p, b);
     }
+    cluster::sync();  // matches the consumers' final sync
     return;
   }
 
@@ -100,6 +126,7 @@ __global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
   const bool p_role = warpgroup::groupid() == 1;
   const int warp = warpgroup::warp_in_group();
   const int key0 = k0 + 16 * warp;  // this warp's first key row (in both roles)
+  const bool dq_owner = (p_role ? 0 : 1) == rank;  // block 0 adds columns 0..127, block 1 the rest
   const auto dq_accum = gl<float>::contiguous(p.dq_accum, p.batch, p.seq_q, p.heads_q, D);
   rt_fl<16, D> grad;  // dV in the P role, dK in the dS role
   zero(grad);
@@ -125,11 +152,11 @@ __global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
       map_cols(probs, lse2, [=](float x, float lse2) { return fast_exp2(c * x - lse2); });
       rt<T, 16, QT> probs_16;
       copy(probs_16, probs);
-      store(s.probs, probs_16, 16 * warp, 0);
+      store(s.ds[buf], probs_16, 16 * warp, 0);
       named_barrier_arrive(PROBS_READY_BARRIER + warp, 64);
       warpgroup::mma_AB(grad, probs_16, dout_tile, true);  // dV += P^T dO
       named_barrier_sync(DS_READY_BARRIER, 256);
-      add_dq_half(dq_accum, s.ds[buf], s.k, 0, {b, h, q0 + 16 * warp});
+      add_dq_half(dq_accum, s.ds[buf], s.k, 0, {b, h, q0 + 16 * warp}, s.dq_mail, dq_owner, partner, i);
     } else {
       rt_fl<16, QT> dprobs;
       warpgroup::mma_ABt(dprobs, s.v, dout_tile, false);  // dP^T = V dO^T
@@ -138,18 +165,19 @@ __global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
       warpgroup::wait<0>();
       named_barrier_sync(PROBS_READY_BARRIER + warp, 64);
       rt<T, 16, QT> probs_16;
-      load(probs_16, s.probs, 16 * warp, 0);
+      load(probs_16, s.ds[buf], 16 * warp, 0);
       rt_fl<16, QT> probs;
       copy(probs, probs_16);
       map_cols(dprobs, delta, [=](float dp, float delta) { return fmaf(dp, p.scale, -delta); });
       mul(dprobs, probs);  // dS^T (scaled)
       rt<T, 16, QT> ds_16;
       copy(ds_16, dprobs);
+      __syncwarp();  // every lane has read its P^T before the warp overwrites the rows
       store(s.ds[buf], ds_16, 16 * warp, 0);
       warpgroup::fence_shared_to_async();
       warpgroup::mma_AB(grad, ds_16, q_tile, true);  // dK += dS^T Q
       named_barrier_sync(DS_READY_BARRIER, 256);
-      add_dq_half(dq_accum, s.ds[buf], s.k, D / 2, {b, h, q0 + 16 * warp});
+      add_dq_half(dq_accum, s.ds[buf], s.k, D / 2, {b, h, q0 + 16 * warp}, s.dq_mail, dq_owner, partner, i);
     }
     warpgroup::wait<0>();  // this role's gradient product has read the stage
     s.stages.release(i);
@@ -157,6 +185,7 @@ __global__ void __launch_bounds__(split_backward_config<D>::THREADS, 1)
 
   T* out = (T*)(p_role ? p.dv : p.dk);
   store(gl<T>::contiguous(out, p.batch, p.seq_k, p.heads_kv, D), grad, {b, kv_h, key0});
+  cluster::sync();  // the partner's last remote arrive on this block's barriers has landed
 }
 
 template <typename T, int D>
@@ -169,7 +198,8 @@ cudaError_t launch_split_backward(const BackwardParams& p, cudaStream_t stream) 
   if (cudaError_t err = prepare_backward<T, D>(args, p, config::KV_ROWS, group_l2_bytes, stream); err != cudaSuccess)
     return err;
   const int smem = int(sizeof(split_backward_shared<T, D>)) + 1024;
-  const dim3 grid((p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS, p.heads_kv, p.batch);
+  const int key_blocks = (p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS;
+  const dim3 grid((key_blocks + config::CLUSTER - 1) / config::CLUSTER * config::CLUSTER, p.heads_kv, p.batch);
   return launch_with_shared<split_backward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);
 }
 

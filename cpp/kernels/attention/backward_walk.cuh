@@ -47,17 +47,19 @@ cudaError_t prepare_backward(BackwardArgs& args, const BackwardParams& p, int kv
 // should start last. The (batch, KV head) pairs go in groups of args.pairs_per_group (set by
 // prepare_backward from an L2 budget); inside a group, key block 0 of every pair comes first,
 // then key block 1, and so on. Groups of one pair give the plain order, pair after pair.
+// With clusters of `cluster` blocks along x, the unit is a run of `cluster` neighbouring key
+// blocks, so that a cluster's blocks share the batch and KV head.
 struct key_block_of {
   int index, kv_h, b;
 
-  __device__ static key_block_of this_block(const BackwardArgs& args) {
-    const int key_blocks = gridDim.x, pairs = gridDim.y * gridDim.z;
-    const int linear = blockIdx.x + key_blocks * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int first_pair = linear / (key_blocks * args.pairs_per_group) * args.pairs_per_group;
+  __device__ static key_block_of this_block(const BackwardArgs& args, int cluster = 1) {
+    const int runs = gridDim.x / cluster, pairs = gridDim.y * gridDim.z;
+    const int linear = blockIdx.x / cluster + runs * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int first_pair = linear / (runs * args.pairs_per_group) * args.pairs_per_group;
     const int group = min(args.pairs_per_group, pairs - first_pair);
-    const int in_group = linear - first_pair * key_blocks;
+    const int in_group = linear - first_pair * runs;
     const int pair = first_pair + in_group % group;
-    return {in_group / group, pair % int(gridDim.y), pair / int(gridDim.y)};
+    return {in_group / group * cluster + int(blockIdx.x) % cluster, pair % int(gridDim.y), pair / int(gridDim.y)};
   }
 };
 
