@@ -10,8 +10,9 @@
 //                                                    memory; the dQ tile staged there too and
 //                                                    added to global memory by one TMA bulk
 //                                                    reduction: full-line adds in L2)
-// The producer warpgroup's first warp streams Q and dO tiles, with their lse and delta rows,
-// through a ring of stages, and its second issues the dQ adds.
+// The producer warpgroup's first warp streams Q and dO tiles through a ring of stages, its
+// second issues the dQ adds; each consumer lane reads the lse and delta values of its own
+// columns from global memory, each load issued before a wait that hides its latency.
 #pragma once
 
 #include "../../kittens/kittens.cuh"
@@ -87,7 +88,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         tma::load_async(&s.k[c], args.k, s.kv_full, 0, k0 + 64 * c, 0, kv_h, b);
         tma::load_async(&s.v[c], args.v, s.kv_full, 0, k0 + 64 * c, 0, kv_h, b);
       }
-      s.stages.produce(walk, args.q, args.dout, p, b);
+      s.stages.produce(walk, args.q, args.dout, b);
     } else if (warp == 1 && steps > 0) {  // dQ writer
       const bool lane0 = laneid() == 0;
 #pragma unroll
@@ -131,17 +132,18 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       query_walk::tile tile = walk.first();
       for (int i = 0; i < steps; i++, walk.advance(tile)) {
         const int q0 = tile.q0;
+        // lse2 first: its load has the stage wait and both first products to land.
+        col_vec<QT> lse2, delta;
+        load(lse2, p.lse + stats_offset(p, b, tile));
         const int stage = s.stages.acquire(i);
         const auto& q_tile = s.stages.q[stage];
         const auto& dout_tile = s.stages.dout[stage];
 
         // S^T and dP^T = V dO^T issued together; P^T from the scores while dP^T is in flight.
-        // lse2 (from the stage) is +inf on rows that saw nothing, giving P = 0.
+        // lse2 is +inf on rows that saw nothing, giving P = 0.
         rt_fl<16, QT> probs, dprobs;
         warpgroup::mma_ABt(probs, s.k[consumer], q_tile, false);
         warpgroup::mma_ABt(dprobs, s.v[consumer], dout_tile, false);
-        col_vec<QT> lse2, delta;
-        load(lse2, s.stages.lse[stage]);
         warpgroup::wait<1>();  // S^T is ready
         if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
           mask_band.mask<true>(probs, q0, key0);
@@ -149,7 +151,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         rt<T, 16, QT> probs_16;
         copy(probs_16, probs);
         warpgroup::mma_AB(dv, probs_16, dout_tile, true);  // dV += P^T dO
-        load(delta, s.stages.delta[stage]);
+        load(delta, p.delta + stats_offset(p, b, tile));
         warpgroup::wait<1>();  // dP^T is ready (groups complete in order)
 
         map_cols(dprobs, delta, [=](float dp, float delta) { return fmaf(dp, p.scale, -delta); });

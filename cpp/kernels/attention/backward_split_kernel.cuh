@@ -116,7 +116,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       tma::expect_bytes(s.kv_full, sizeof(s.k) + sizeof(s.v));
       tma::load_async(&s.k, args.k, s.kv_full, 0, k0, 0, kv_h, b);
       tma::load_async(&s.v, args.v, s.kv_full, 0, k0, 0, kv_h, b);
-      s.stages.produce(walk, args.q, args.dout, p, b);
+      s.stages.produce(walk, args.q, args.dout, b);
     }
     cluster::sync();  // matches the consumers' final sync
     return;
@@ -145,7 +145,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       rt_fl<16, QT> probs;
       warpgroup::mma_ABt(probs, s.k, q_tile, false);
       col_vec<QT> lse2;
-      load(lse2, s.stages.lse[stage]);
+      load(lse2, p.lse + stats_offset(p, b, tile));
       warpgroup::wait<0>();
       if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
         mask_band.mask<true>(probs, q0, key0);
@@ -161,7 +161,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       rt_fl<16, QT> dprobs;
       warpgroup::mma_ABt(dprobs, s.v, dout_tile, false);  // dP^T = V dO^T
       col_vec<QT> delta;
-      load(delta, s.stages.delta[stage]);
+      load(delta, p.delta + stats_offset(p, b, tile));
       warpgroup::wait<0>();
       named_barrier_sync(PROBS_READY_BARRIER + warp, 64);
       rt<T, 16, QT> probs_16;

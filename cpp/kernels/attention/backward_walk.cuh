@@ -90,40 +90,31 @@ struct query_walk {
   }
 };
 
-// Where a query tile's rows start in the lse and delta arrays ([batch, heads_q, seq_q_padded]).
-__device__ __forceinline__ int64_t stats_offset(const BackwardParams& p, int b, query_walk::tile t) {
-  return (int64_t(b) * p.heads_q + t.head) * p.seq_q_padded + t.q0;
-}
-
-// The Q and dO tiles of each step with the step's lse and delta rows, STAGES at a time,
-// through a ring (one use per step). The rows come by bulk copy on the stage's barrier, so a
-// consumer reads them from shared memory instead of waiting on global loads inside the step.
+// The Q and dO tiles of each step, STAGES at a time, through a ring (one use per step).
 template <typename T, int D, int STAGES>
 struct query_stages {
   st<T, BACKWARD_Q_TILE, D> q[STAGES], dout[STAGES];
-  alignas(16) float lse[STAGES][BACKWARD_Q_TILE];    // log2(e) lse
-  alignas(16) float delta[STAGES][BACKWARD_Q_TILE];  // scale * (rowsum(dO o O) - dlse)
   ring<STAGES> slots;
 
   __device__ void init(int consumer_warps) { slots.init(consumer_warps); }
   // One thread of the producer issues every copy of the walk.
-  __device__ void produce(const query_walk& walk, const CUtensorMap& q_map, const CUtensorMap& dout_map,
-                          const BackwardParams& p, int b) {
-    constexpr uint32_t bytes = sizeof(q[0]) + sizeof(dout[0]) + sizeof(lse[0]) + sizeof(delta[0]);
+  __device__ void produce(const query_walk& walk, const CUtensorMap& q_map, const CUtensorMap& dout_map, int b) {
     query_walk::tile t = walk.first();
     for (int i = 0; i < walk.steps; i++, walk.advance(t)) {
       const int stage = slots.slot(i);
-      tma::barrier& full = slots.fill(i, bytes);
+      tma::barrier& full = slots.fill(i, sizeof(q[0]) + sizeof(dout[0]));
       tma::load_async(&q[stage], q_map, full, 0, t.q0, 0, t.head, b);
       tma::load_async(&dout[stage], dout_map, full, 0, t.q0, 0, t.head, b);
-      const int64_t row = stats_offset(p, b, t);
-      tma::load_bulk_async(lse[stage], p.lse + row, sizeof(lse[0]), full);
-      tma::load_bulk_async(delta[stage], p.delta + row, sizeof(delta[0]), full);
     }
   }
   // Consumers: wait for step i's tiles; release them once the step's last product has read them.
   __device__ int acquire(int i) { return slots.acquire(i); }
   __device__ void release(int i) { slots.release(i); }
 };
+
+// Where a query tile's rows start in the lse and delta arrays ([batch, heads_q, seq_q_padded]).
+__device__ __forceinline__ int64_t stats_offset(const BackwardParams& p, int b, query_walk::tile t) {
+  return (int64_t(b) * p.heads_q + t.head) * p.seq_q_padded + t.q0;
+}
 
 }  // namespace tk::attention

@@ -52,16 +52,6 @@ __device__ __forceinline__ void load_async(void* dst, const CUtensorMap& map, ba
       : "memory");
 }
 
-// Copy `bytes` contiguous bytes (a multiple of 16) from global `src` to shared `dst`, both
-// 16-byte aligned, completing on barrier `b` like the tile loads: a plain bulk copy, for the
-// vectors that travel with a stage's tiles.
-__device__ __forceinline__ void load_bulk_async(void* dst, const void* src, uint32_t bytes, barrier& b) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   shared_addr(dst)),
-               "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(shared_addr(&b))
-               : "memory");
-}
-
 // Store the shared tile `src` to the box at (c0..c4) of the global tensor `map` (rows outside
 // the tensor skipped). Asynchronous and grouped like store_add_async below.
 __device__ __forceinline__ void store_async(const CUtensorMap& map, const void* src, int c0, int c1, int c2, int c3,
