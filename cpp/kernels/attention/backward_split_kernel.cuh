@@ -15,7 +15,7 @@
 // tile per step into L2 (ncu, s11-2: L2 86% busy; skipping half of them, s11-3: +36%). So blocks
 // run in clusters of two over neighbouring key blocks that walk the same query tiles: block r
 // adds the pair's sum for its half of the columns, receiving the partner's half-tile through a
-// shared-memory mailbox (DSMEM), which halves the traffic into L2: fwd+bwd +7-15% (s11-7).
+// shared-memory mailbox (DSMEM), which halves the traffic into L2: fwd+bwd +7-15% (s11-7, s11-9).
 #pragma once
 
 #include "../../kittens/kittens.cuh"
@@ -47,9 +47,10 @@ struct split_backward_shared {
   // warp w and overwrites them with dS^T; dQ's products read it asynchronously after the dS
   // barrier. A buffer is rewritten two steps later, after both roles' products of its step.
   st<T, config::KV_ROWS, config::Q_ROWS> ds[2];
-  // The partner block's dQ contribution to this block's columns, 64 x 16 at a time in three
-  // slots (12 KB: a 16 KB mailbox would pass the 227 KB limit).
-  cluster::mailbox<16, 16, 3> dq_mail;
+  // The partner block's dQ contribution to this block's columns, 64 x 32 at a time in two slots
+  // (16 KB: the block's shared memory is then at the 227 KB limit). Three 16-column slots and
+  // four were within 1-2% (s11-9).
+  cluster::mailbox<16, 32, 2> dq_mail;
   tma::barrier kv_full;
 };
 
@@ -59,24 +60,24 @@ constexpr int PROBS_READY_BARRIER = 1;  // + warp (1..4)
 constexpr int DS_READY_BARRIER = 5;
 
 // This block's dQ[q0 .., col0 .. col0 + 128) contribution dS K[:, col0 .. col0 + 128), in two
-// 64-column products, each through the mailbox 16 columns at a time. The block that owns the
+// 64-column products, each through the mailbox 32 columns at a time. The block that owns the
 // columns adds the partner's chunk to its own and the sum to global memory; the other sends.
 template <typename T, int D>
 __device__ __forceinline__ void add_dq_half(const gl<float>& dq_accum, const st<T, 64, 64>& ds,
                                             const st<T, 64, D>& k, int col0, tile_coord rows,
-                                            cluster::mailbox<16, 16, 3>& mail, bool owner, int partner, int step) {
+                                            cluster::mailbox<16, 32, 2>& mail, bool owner, int partner, int step) {
 #pragma unroll
   for (int chunk = 0; chunk < 2; chunk++) {
     rt_fl<16, 64> dq;
     warpgroup::mma_AtB(dq, ds, k, col0 + 64 * chunk, false);
     warpgroup::wait<0>();
 #pragma unroll
-    for (int part = 0; part < 4; part++) {  // the mailbox takes 16 columns at a time
-      const int use = 8 * step + 4 * chunk + part;
+    for (int part = 0; part < 2; part++) {  // 32 columns (two 16-column tiles) per use
+      const int use = 4 * step + 2 * chunk + part;
       if (owner)
-        mail.receive_add(dq, part, partner, use);
+        mail.receive_add(dq, 2 * part, partner, use);
       else
-        mail.send(dq, part, partner, use);
+        mail.send(dq, 2 * part, partner, use);
     }
     if (owner) atomic_add(dq_accum, dq, rows, col0 + 64 * chunk);
   }
@@ -197,6 +198,7 @@ cudaError_t launch_split_backward(const BackwardParams& p, cudaStream_t stream) 
   constexpr size_t group_l2_bytes = size_t(32) << 20;
   if (cudaError_t err = prepare_backward<T, D>(args, p, config::KV_ROWS, group_l2_bytes, stream); err != cudaSuccess)
     return err;
+  static_assert(sizeof(split_backward_shared<T, D>) + 1024 <= 227 * 1024, "over the 227 KB of shared memory a block may use");
   const int smem = int(sizeof(split_backward_shared<T, D>)) + 1024;
   const int key_blocks = (p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS;
   const dim3 grid((key_blocks + config::CLUSTER - 1) / config::CLUSTER * config::CLUSTER, p.heads_kv, p.batch);
