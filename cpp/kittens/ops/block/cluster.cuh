@@ -120,8 +120,11 @@ struct mailbox {
     // Arm the slot's next use (its phase n has completed; use n + SLOTS cannot start before
     // every warp hands the slot back below).
     if (t == 0) tma::expect_bytes(full[at], BYTES);
-    // Every lane's loads have returned (the adds above consumed them) before the warp hands the
-    // slot back; relaxed, so that it does not wait for this thread's earlier global reductions.
+    // The slot's loads must be done before the partner may overwrite it, and a relaxed arrive
+    // orders nothing (the compiler issued it before the adds, s11-10: wrong dQ): a CTA-scope
+    // fence completes this warp's loads of its own shared memory without waiting for its global
+    // reductions as a release at cluster scope would.
+    __threadfence_block();
     __syncwarp();
     if (laneid() == 0) cluster::arrive_relaxed(cluster::map(&empty[at], partner));
   }
