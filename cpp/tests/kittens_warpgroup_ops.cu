@@ -219,7 +219,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(128) mail_test_kerne
 ffi::Error Mailbox(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   if (x.element_count() != 2 * 64 * 64) return ffi::Error::InvalidArgument("x must be [2, 64, 64]");
   const int smem = int(sizeof(mail_test_shared)) + 1024;
-  const cudaError_t err = launch_with_shared<mail_test_kernel>(2, 128, smem, stream, x.typed_data(), out->typed_data());
+  const cudaError_t err =
+      launch_with_shared<mail_test_kernel>(2, 128, smem, stream, x.typed_data(), out->typed_data());
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("tk_test_mailbox: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
 }

@@ -85,7 +85,8 @@ __device__ __forceinline__ void add_dq_half(const gl<float>& dq_accum, const st<
 
 template <typename T, int D>
 __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
-    __launch_bounds__(split_backward_config<D>::THREADS, 1) split_backward_kernel(const __grid_constant__ BackwardArgs args) {
+    __launch_bounds__(split_backward_config<D>::THREADS, 1)
+        split_backward_kernel(const __grid_constant__ BackwardArgs args) {
   using config = split_backward_config<D>;
   constexpr int QT = config::Q_ROWS;
   static_assert(D == 256, "the role-split backward is built for head_dim 256");
@@ -198,7 +199,8 @@ cudaError_t launch_split_backward(const BackwardParams& p, cudaStream_t stream) 
   constexpr size_t group_l2_bytes = size_t(32) << 20;
   if (cudaError_t err = prepare_backward<T, D>(args, p, config::KV_ROWS, group_l2_bytes, stream); err != cudaSuccess)
     return err;
-  static_assert(sizeof(split_backward_shared<T, D>) + 1024 <= 227 * 1024, "over the 227 KB of shared memory a block may use");
+  static_assert(sizeof(split_backward_shared<T, D>) + 1024 <= 227 * 1024,
+                "over the 227 KB of shared memory a block may use");
   const int smem = int(sizeof(split_backward_shared<T, D>)) + 1024;
   const int key_blocks = (p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS;
   const dim3 grid((key_blocks + config::CLUSTER - 1) / config::CLUSTER * config::CLUSTER, p.heads_kv, p.batch);
