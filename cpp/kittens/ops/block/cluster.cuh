@@ -70,6 +70,21 @@ struct mailbox {
   float4 slot[SLOTS][PAIRS][128];
   tma::barrier full[SLOTS], empty[SLOTS];
 
+  // f(m, a, b) for the register pairs (a, b) = (2m, 2m + 1) of the mailbox's columns
+  // [16 col_tile, 16 col_tile + C) of `tile`, m numbering them in slot order.
+  template <typename Tile, typename F>
+  __device__ static void for_each_pair(Tile& tile, int col_tile, F&& f) {
+#pragma unroll
+    for (int i = 0; i < R / 16; i++)
+#pragma unroll
+      for (int j = 0; j < C / 16; j++)
+#pragma unroll
+        for (int k = 0; k < 4; k += 2) {
+          auto& t = tile.tiles[i][col_tile + j];
+          f((i * (C / 16) + j) * 2 + k / 2, t.data[k], t.data[k + 1]);
+        }
+  }
+
   __device__ void init() {  // one thread, before cluster::sync(); arms every slot's first use
     for (int i = 0; i < SLOTS; i++) {
       tma::init(full[i], 1);
@@ -86,16 +101,9 @@ struct mailbox {
     if (n >= SLOTS) tma::wait(empty[at], (n / SLOTS - 1) & 1);  // nothing to acquire: the slot is free
     const uint32_t base = cluster::map(&slot[at][0][threadIdx.x % 128], partner);
     const uint32_t bar = cluster::map(&full[at], partner);
-#pragma unroll
-    for (int i = 0; i < R / 16; i++)
-#pragma unroll
-      for (int j = 0; j < C / 16; j++)
-#pragma unroll
-        for (int k = 0; k < 4; k += 2) {
-          const float2 a = tile.tiles[i][col_tile + j].data[k], b = tile.tiles[i][col_tile + j].data[k + 1];
-          const int m = (i * (C / 16) + j) * 2 + k / 2;
-          cluster::store_async(base + sizeof(slot[0][0]) * m, make_float4(a.x, a.y, b.x, b.y), bar);
-        }
+    for_each_pair(tile, col_tile, [&](int m, const float2& a, const float2& b) {
+      cluster::store_async(base + sizeof(slot[0][0]) * m, make_float4(a.x, a.y, b.x, b.y), bar);
+    });
   }
   // Add use n of this block's mailbox into columns [16 col_tile, 16 col_tile + C) of `tile`,
   // then hand the slot back to the partner.
@@ -105,18 +113,13 @@ struct mailbox {
     const int at = n % SLOTS;
     tma::wait(full[at], (n / SLOTS) & 1);
     const int t = threadIdx.x % 128;
-#pragma unroll
-    for (int i = 0; i < R / 16; i++)
-#pragma unroll
-      for (int j = 0; j < C / 16; j++)
-#pragma unroll
-        for (int k = 0; k < 4; k += 2) {
-          const float4 v = slot[at][(i * (C / 16) + j) * 2 + k / 2][t];
-          tile.tiles[i][col_tile + j].data[k].x += v.x;
-          tile.tiles[i][col_tile + j].data[k].y += v.y;
-          tile.tiles[i][col_tile + j].data[k + 1].x += v.z;
-          tile.tiles[i][col_tile + j].data[k + 1].y += v.w;
-        }
+    for_each_pair(tile, col_tile, [&](int m, float2& a, float2& b) {
+      const float4 v = slot[at][m][t];
+      a.x += v.x;
+      a.y += v.y;
+      b.x += v.z;
+      b.y += v.w;
+    });
     // Arm the slot's next use (its phase n has completed; use n + SLOTS cannot start before
     // every warp hands the slot back below).
     if (t == 0) tma::expect_bytes(full[at], BYTES);
