@@ -14,8 +14,9 @@
 // The fp32 atomic adds into dQ are what bound this kernel: every key block adds a full 64 x 256
 // tile per step into L2 (ncu, s11-2: L2 86% busy; skipping half of them, s11-3: +36%). So blocks
 // run in clusters of two over neighbouring key blocks that walk the same query tiles: block r
-// adds the pair's sum for its half of the columns, receiving the partner's half-tile through a
+// adds the pair's sum for half of the columns, receiving the partner's part through a
 // shared-memory mailbox (DSMEM), which halves the traffic into L2: fwd+bwd +7-15% (s11-7, s11-9).
+// Each warpgroup owns one chunk and sends one, so both do the same work: +1-6% more (s12-1).
 #pragma once
 
 #include "../../kittens/kittens.cuh"
@@ -47,10 +48,9 @@ struct split_backward_shared {
   // warp w and overwrites them with dS^T; dQ's products read it asynchronously after the dS
   // barrier. A buffer is rewritten two steps later, after both roles' products of its step.
   st<T, config::KV_ROWS, config::Q_ROWS> ds[2];
-  // The partner block's dQ contribution to this block's columns, 64 x 32 at a time in two slots
-  // (16 KB: the block's shared memory is then at the 227 KB limit). Three 16-column slots and
-  // four were within 1-2% (s11-9).
-  cluster::mailbox<16, 32, 2> dq_mail;
+  // The partner block's dQ contribution to the chunk each role owns here, 64 x 32 at a time, one
+  // mailbox per role (16 KB: the block's shared memory is then at the 227 KB limit).
+  cluster::mailbox<16, 32, 1> dq_mail[2];
   tma::barrier kv_full;
 };
 
@@ -60,27 +60,25 @@ constexpr int PROBS_READY_BARRIER = 1;  // + warp (1..4)
 constexpr int DS_READY_BARRIER = 5;
 
 // This block's dQ[q0 .., col0 .. col0 + 128) contribution dS K[:, col0 .. col0 + 128), in two
-// 64-column products, each through the mailbox 32 columns at a time. The block that owns the
-// columns adds the partner's chunk to its own and the sum to global memory; the other sends.
+// 64-column chunks: block r owns chunk r (it adds the partner's part to its own and the sum to
+// global memory) and sends chunk r ^ 1, so every warpgroup of both blocks does the same work.
+// The sent chunk's product comes first and its halves go out around the owned chunk's product,
+// so that neither block waits a whole product for the other.
 template <typename T, int D>
 __device__ __forceinline__ void add_dq_half(const gl<float>& dq_accum, const st<T, 64, 64>& ds,
                                             const st<T, 64, D>& k, int col0, tile_coord rows,
-                                            cluster::mailbox<16, 32, 2>& mail, bool owner, int partner, int step) {
-#pragma unroll
-  for (int chunk = 0; chunk < 2; chunk++) {
-    rt_fl<16, 64> dq;
-    warpgroup::mma_AtB(dq, ds, k, col0 + 64 * chunk, false);
-    warpgroup::wait<0>();
-#pragma unroll
-    for (int part = 0; part < 2; part++) {  // 32 columns (two 16-column tiles) per use
-      const int use = 4 * step + 2 * chunk + part;
-      if (owner)
-        mail.receive_add(dq, 2 * part, partner, use);
-      else
-        mail.send(dq, 2 * part, partner, use);
-    }
-    if (owner) atomic_add(dq_accum, dq, rows, col0 + 64 * chunk);
-  }
+                                            cluster::mailbox<16, 32, 1>& mail, int rank, int step) {
+  const int partner = rank ^ 1;
+  rt_fl<16, 64> sent, owned;
+  warpgroup::mma_AtB(sent, ds, k, col0 + 64 * partner, false);
+  warpgroup::wait<0>();
+  mail.send(sent, 0, partner, 2 * step);
+  warpgroup::mma_AtB(owned, ds, k, col0 + 64 * rank, false);
+  warpgroup::wait<0>();
+  mail.receive_add(owned, 0, partner, 2 * step);
+  mail.send(sent, 2, partner, 2 * step + 1);
+  mail.receive_add(owned, 2, partner, 2 * step + 1);
+  atomic_add(dq_accum, owned, rows, col0 + 64 * rank);
 }
 
 template <typename T, int D>
@@ -100,14 +98,15 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
   const band mask_band = band::of(p);
   // Both blocks of the cluster walk the query tiles that see either's keys (the partner may
   // own no keys at all when the key blocks are odd in number: its masks then zero every step).
-  const int rank = cluster::rank(), partner = rank ^ 1;
+  const int rank = cluster::rank();
   const int pair_k0 = k0 - rank * config::KV_ROWS;
   const query_walk walk = query_walk::of(p, mask_band, kv_h, pair_k0, config::CLUSTER * config::KV_ROWS);
 
   if (threadIdx.x == 0) {
     tma::init(s.kv_full, 1);
     s.stages.init(config::CONSUMER_WARPS);
-    s.dq_mail.init();
+    s.dq_mail[0].init();
+    s.dq_mail[1].init();
     tma::fence_barrier_init();
   }
   cluster::sync();  // the partner's barriers are initialised before any remote arrive
@@ -128,7 +127,6 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
   const bool p_role = warpgroup::groupid() == 1;
   const int warp = warpgroup::warp_in_group();
   const int key0 = k0 + 16 * warp;  // this warp's first key row (in both roles)
-  const bool dq_owner = (p_role ? 0 : 1) == rank;  // block 0 adds columns 0..127, block 1 the rest
   const auto dq_accum = gl<float>::contiguous(p.dq_accum, p.batch, p.seq_q, p.heads_q, D);
   rt_fl<16, D> grad;  // dV in the P role, dK in the dS role
   zero(grad);
@@ -158,7 +156,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       named_barrier_arrive(PROBS_READY_BARRIER + warp, 64);
       warpgroup::mma_AB(grad, probs_16, dout_tile, true);  // dV += P^T dO
       named_barrier_sync(DS_READY_BARRIER, 256);
-      add_dq_half(dq_accum, s.ds[buf], s.k, 0, {b, h, q0 + 16 * warp}, s.dq_mail, dq_owner, partner, i);
+      add_dq_half(dq_accum, s.ds[buf], s.k, 0, {b, h, q0 + 16 * warp}, s.dq_mail[0], rank, i);
     } else {
       rt_fl<16, QT> dprobs;
       warpgroup::mma_ABt(dprobs, s.v, dout_tile, false);  // dP^T = V dO^T
@@ -179,7 +177,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       warpgroup::fence_shared_to_async();
       warpgroup::mma_AB(grad, ds_16, q_tile, true);  // dK += dS^T Q
       named_barrier_sync(DS_READY_BARRIER, 256);
-      add_dq_half(dq_accum, s.ds[buf], s.k, D / 2, {b, h, q0 + 16 * warp}, s.dq_mail, dq_owner, partner, i);
+      add_dq_half(dq_accum, s.ds[buf], s.k, D / 2, {b, h, q0 + 16 * warp}, s.dq_mail[1], rank, i);
     }
     warpgroup::wait<0>();  // this role's gradient product has read the stage
     s.stages.release(i);
