@@ -11,8 +11,8 @@
 //                                                    added to global memory by one TMA bulk
 //                                                    reduction: full-line adds in L2)
 // The producer warpgroup's first warp streams Q and dO tiles through a ring of stages, its
-// second issues the dQ adds; each consumer lane reads the lse and delta values of its own
-// columns from global memory, each load issued before a wait that hides its latency.
+// second issues the dQ adds. Each consumer warp fetches the lse and delta rows of its next
+// step for itself (cp.async into its own buffer), so they are there when the step begins.
 #pragma once
 
 #include "../../kittens/kittens.cuh"
@@ -41,6 +41,7 @@ struct backward_shared {
   query_stages<T, D, config::STAGES> stages;
   st<T, 64, config::Q_ROWS> ds[2][config::CONSUMERS];  // dS^T per step parity and consumer: keys x queries
   st<float, config::Q_ROWS, 64> dq[config::CONSUMERS];  // a consumer's 64-column chunk of dQ on its way out
+  warp_rows<2, config::Q_ROWS> stats[2][config::CONSUMERS * 4];  // lse2 and delta per step parity and warp
   tma::barrier kv_full;
 };
 
@@ -128,13 +129,27 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
 
     // The consumer's sweep, compiled apart for consumers without a dQ chunk (consumer 1 at
     // D = 64) so that every wgmma wait counts a fixed set of products.
+    auto& stats = s.stats;
+    const int stats_warp = 4 * consumer + warp;
+    auto fetch_stats = [&](query_walk::tile t, int buf) {
+      const int64_t row = stats_offset(p, b, t);
+      load_rows_async(stats[buf][stats_warp], {p.lse + row, p.delta + row});
+    };
     auto sweep = [&]<bool has_chunk>() {
       query_walk::tile tile = walk.first();
+      if (steps > 0) fetch_stats(tile, 0);
       for (int i = 0; i < steps; i++, walk.advance(tile)) {
         const int q0 = tile.q0;
-        // lse2 first: its load has the stage wait and both first products to land.
+        // This step's rows were fetched a step ago; the next step's go out now.
+        const auto& rows = stats[i & 1][stats_warp];
+        wait_rows<0>();
+        if (i + 1 < steps) {
+          query_walk::tile next = tile;
+          walk.advance(next);
+          fetch_stats(next, (i + 1) & 1);
+        }
         col_vec<QT> lse2, delta;
-        load(lse2, p.lse + stats_offset(p, b, tile));
+        load(lse2, rows.row[0]);
         const int stage = s.stages.acquire(i);
         const auto& q_tile = s.stages.q[stage];
         const auto& dout_tile = s.stages.dout[stage];
@@ -151,7 +166,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         rt<T, 16, QT> probs_16;
         copy(probs_16, probs);
         warpgroup::mma_AB(dv, probs_16, dout_tile, true);  // dV += P^T dO
-        load(delta, p.delta + stats_offset(p, b, tile));
+        load(delta, rows.row[1]);
         warpgroup::wait<1>();  // dP^T is ready (groups complete in order)
 
         map_cols(dprobs, delta, [=](float dp, float delta) { return fmaf(dp, p.scale, -delta); });

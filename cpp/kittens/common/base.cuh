@@ -75,6 +75,18 @@ __device__ __forceinline__ uint32_t shared_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// cp.async of 16 bytes; src_bytes = 0 writes zeros without reading global memory.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Wait until at most `Pending` committed groups of this thread are still in flight (a compiler
+// memory barrier too: no shared-memory read moves above it).
+template <int Pending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
+}
+
 // The dynamic shared memory `raw` as a struct S at the next 1024-byte boundary (swizzled tiles
 // need it; the base only promises 16 bytes). The offset is added to the pointer, not computed
 // through an integer address, so the compiler still knows every access is to shared memory

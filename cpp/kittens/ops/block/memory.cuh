@@ -10,17 +10,6 @@
 
 namespace kittens {
 
-// cp.async of 16 bytes; src_bytes = 0 writes zeros without reading global memory.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// Wait until at most `Pending` committed groups are still in flight.
-template <int Pending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
-}
-
 // Start an asynchronous copy of tile `coord` of `src` into `dst` (rows beyond src.seq or
 // beyond row0 + valid_rows become zeros). Completes at cp_async_wait.
 template <int Threads, typename T, int R, int C>
