@@ -64,6 +64,25 @@ def test_forward_matches_reference(hopper, rng, dtype, d, t, causal, variant):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("growth", [0.02, 0.05, -0.05])
+@pytest.mark.parametrize("variant", ["wgmma", "mma_sync"])
+def test_forward_with_climbing_scores(hopper, rng, dtype, d, causal, growth, variant):
+    """Scores that climb (or fall) by `growth` per key on top of random ones: each row's running
+    max grows by 1-6 units per key tile, so the online softmax both rescales O and keeps a
+    stale max (probabilities up to 2^8 against it) from tile to tile; O and lse must still
+    match the reference."""
+    if d == 256 and variant == "mma_sync":
+        pytest.skip("the mma_sync variant has no head-dim-256 instance")
+    t = 1000
+    q, k, v = _inputs(rng, 1, t, t, 2, 2, d, dtype)
+    q[..., 0] = 8
+    k[..., 0] = (growth * np.arange(t) * math.sqrt(d) / 8)[None, :, None]  # score += growth * key index
+    _check_forward(q, k, v, 1 / math.sqrt(d), -1, 0 if causal else -1, causal=causal, variant=variant)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_head_dim_256_forward_kernel_and_gradients(hopper, rng, dtype):
     """Head dim 256 through the public API: the forward kernel (GQA 4:2, causal, Tq != Tk, a
     window) and the gradients (the role-split backward kernel)."""

@@ -91,8 +91,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_const
     if (mask_band.cuts(row0, 16, k0, FWD_KV_ROWS))
       mask_band.mask(scores, row0, k0);
     row_vec<16> rescale;
-    online_softmax_step(scores, m, l, rescale, c);
-    mul_row(o, rescale);
+    if (online_softmax_step(scores, m, l, rescale, c)) mul_row(o, rescale);
 
     // O += P V, 16 columns of head_dim at a time.
     rt<T, 16, FWD_KV_ROWS> probs;

@@ -148,7 +148,7 @@ __device__ __forceinline__ void attend_item(wgmma_forward_shared<T, D, C>& s, co
     const int k0 = (w.first_tile + i) * KV;
     if (mask_band.cuts(row0, 16, k0, KV))
       mask_band.mask(scores, row0, k0);
-    online_softmax_step(scores, m, l, rescale, c);
+    return online_softmax_step(scores, m, l, rescale, c);  // whether O needs the rescale
   };
   auto add_pv = [&](int i, const rt<T, 16, KV>& probs) {  // O += P_i V_i, issued asynchronously
     warpgroup::mma_AB(o, probs, s.v[s.v_ring.acquire(kv_use + i)], true);
@@ -169,10 +169,10 @@ __device__ __forceinline__ void attend_item(wgmma_forward_shared<T, D, C>& s, co
     scores_of(i + 1);
     add_pv(i, probs);
     warpgroup::wait<1>();  // S_{i+1} has landed; P_i V_i may still run
-    softmax_of(i + 1);
+    const bool rescaled = softmax_of(i + 1);
     warpgroup::wait<0>();
     release_v(i);
-    mul_row(o, rescale);
+    if (rescaled) mul_row(o, rescale);
   }
   if (tiles > 0) {  // the last tile: nothing left to overlap
     release_q();  // its scores have landed

@@ -56,25 +56,40 @@ struct band {
   }
 };
 
+// How far (in log2 units) a row's running max may stay below its true max before the output
+// is rescaled: P = 2^(c S - c m) then stays below 2^8, well inside the range of P's 16-bit
+// copy, and O / l and lse are unchanged, since l and O are summed against the same m.
+constexpr float STALE_MAX_LOG2 = 8.f;
+
 // One key tile of the online softmax for a warp's 16 rows, with c = scale * log2(e):
 //   m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
 // `scores` becomes P, and `rescale` = 2^(c m - c m') is what the output accumulated so far must
 // be multiplied by (left to the caller, whose O may still be in flight in a wgmma). A row that
 // has seen no key yet keeps max -inf: 0 stands in for it so that 2^(-inf - 0) = 0 instead of
 // NaN (its l and O are 0, so rescaling them is harmless).
+// While no row of the warp has outgrown its max by STALE_MAX_LOG2, m is kept (m' = m) and the
+// step returns false: `rescale` is left unset and the caller skips its D multiplies a lane.
+// The test is warp-uniform, so the skip is a branch, not a select per element.
 template <int KV>
-__device__ __forceinline__ void online_softmax_step(rt_fl<16, KV>& scores, row_vec<16>& m, row_vec<16>& l,
+__device__ __forceinline__ bool online_softmax_step(rt_fl<16, KV>& scores, row_vec<16>& m, row_vec<16>& l,
                                                     row_vec<16>& rescale, float c) {
   row_vec<16> m_new, tile_sum;
   row_max(m_new, scores);
   map(m_new, m_new, m, [](float a, float b) { return fmaxf(a, b); });
-  map(m_new, [](float x) { return x == NEG_INF ? 0.f : x; });
-  map(rescale, m, m_new, [=](float old_m, float new_m) { return fast_exp2(c * (old_m - new_m)); });
-  map_rows(scores, m_new, [=](float x, float mx) { return fast_exp2(c * x - c * mx); });
+  bool grows = false;  // a row with no key yet (m = -inf) always counts as growing
+#pragma unroll
+  for (int h = 0; h < 2; h++) grows |= !(c * (m_new.data[0][h] - m.data[0][h]) <= STALE_MAX_LOG2);
+  const bool rescaled = __any_sync(0xffffffffu, grows);
+  if (rescaled) {
+    map(m_new, [](float x) { return x == NEG_INF ? 0.f : x; });
+    map(rescale, m, m_new, [=](float old_m, float new_m) { return fast_exp2(c * (old_m - new_m)); });
+    map(l, l, rescale, [](float a, float b) { return a * b; });
+    m = m_new;
+  }
+  map_rows(scores, m, [=](float x, float mx) { return fast_exp2(c * x - c * mx); });
   row_sum(tile_sum, scores);
-  map(l, l, rescale, [](float a, float b) { return a * b; });
   map(l, l, tile_sum, [](float a, float b) { return a + b; });
-  m = m_new;
+  return rescaled;
 }
 
 // O /= l, written to p.o, and lse = ln 2 (c m + log2 l) to p.lse, for the warp's 16 rows from
