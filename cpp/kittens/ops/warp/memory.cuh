@@ -133,25 +133,56 @@ __device__ __forceinline__ void store(st<T, SR, SC>& dst, const rt<U, R, C, layo
 }
 
 // Register tile (row layout) straight to global, converting to T; rows past dst.seq skipped.
-// A lane touches two rows per 16-row base tile: it finds each row's address and bound once
-// and writes the row's pairs at constant offsets from it.
+// 16-bit T: the four lanes of a quad hold 16 columns of rows g and g + 8 of a base tile, 4 bytes
+// per lane per 8-column chunk. Two rounds of shuffles transpose that 4 x 4 block of words, so
+// each lane writes one whole 16-byte chunk: a quarter of the store instructions, and full
+// 32-byte sectors. Other T: each lane writes its pairs, finding each row's address once.
 template <typename T, typename U, int R, int C>
 __device__ __forceinline__ void store(const gl<T>& dst, const rt<U, R, C, layout::row>& src, tile_coord coord) {
+  if constexpr (sizeof(T) == 2) {
+    const int t = laneid() & 3;  // this lane writes chunk t: rows g + 8 (t >> 1), columns 8 (t & 1) ..
 #pragma unroll
-  for (int i = 0; i < src.height; i++)
+    for (int i = 0; i < src.height; i++) {
+      const int r = coord.row0 + 16 * i + fragment_row(0) + 8 * (t >> 1);
+      T* row = dst.row(coord.b, min(r, dst.seq - 1), coord.h) + 8 * (t & 1);
 #pragma unroll
-    for (int down = 0; down < 2; down++) {  // registers 2 * half + down sit 8 rows lower
-      const int r = coord.row0 + 16 * i + fragment_row(down);
-      if (r >= dst.seq) continue;
-      T* row = dst.row(coord.b, r, coord.h) + fragment_col(0, 0);
+      for (int j = 0; j < src.width; j++) {
+        uint32_t x[4];  // x[c]: this lane's word of chunk c = 2 * down + half (register 2 * half + down)
 #pragma unroll
-      for (int j = 0; j < src.width; j++)
-#pragma unroll
-        for (int half = 0; half < 2; half++) {
-          const float2 v = unpack(src.tiles[i][j].data[2 * half + down]);
-          *reinterpret_cast<packed_t<T>*>(row + 16 * j + 8 * half) = pack<T>(v.x, v.y);
+        for (int c = 0; c < 4; c++) {
+          const float2 v = unpack(src.tiles[i][j].data[2 * (c & 1) + (c >> 1)]);
+          x[c] = as_u32(pack<T>(v.x, v.y));
         }
+#pragma unroll
+        for (int m = 1; m <= 2; m *= 2)  // swap the words whose chunk bit m differs from the lane's
+#pragma unroll
+          for (int c0 = 0; c0 < 4; c0++) {
+            if (c0 & m) continue;
+            const bool hi = t & m;
+            const uint32_t got = __shfl_xor_sync(0xffffffffu, hi ? x[c0] : x[c0 | m], m);
+            if (hi) x[c0] = got;
+            else x[c0 | m] = got;
+          }
+        if (r < dst.seq) *reinterpret_cast<uint4*>(row + 16 * j) = make_uint4(x[0], x[1], x[2], x[3]);
+      }
     }
+  } else {
+#pragma unroll
+    for (int i = 0; i < src.height; i++)
+#pragma unroll
+      for (int down = 0; down < 2; down++) {  // registers 2 * half + down sit 8 rows lower
+        const int r = coord.row0 + 16 * i + fragment_row(down);
+        if (r >= dst.seq) continue;
+        T* row = dst.row(coord.b, r, coord.h) + fragment_col(0, 0);
+#pragma unroll
+        for (int j = 0; j < src.width; j++)
+#pragma unroll
+          for (int half = 0; half < 2; half++) {
+            const float2 v = unpack(src.tiles[i][j].data[2 * half + down]);
+            *reinterpret_cast<packed_t<T>*>(row + 16 * j + 8 * half) = pack<T>(v.x, v.y);
+          }
+      }
+  }
 }
 
 // Atomically add a float register tile (row layout) into a float global tensor: tile row r is
