@@ -129,11 +129,10 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
 
     // The consumer's sweep, compiled apart for consumers without a dQ chunk (consumer 1 at
     // D = 64) so that every wgmma wait counts a fixed set of products.
-    auto& stats = s.stats;
     const int stats_warp = 4 * consumer + warp;
     auto fetch_stats = [&](query_walk::tile t, int buf) {
       const int64_t row = stats_offset(p, b, t);
-      load_rows_async(stats[buf][stats_warp], {p.lse + row, p.delta + row});
+      load_rows_async(s.stats[buf][stats_warp], {p.lse + row, p.delta + row});
     };
     auto sweep = [&]<bool has_chunk>() {
       query_walk::tile tile = walk.first();
@@ -141,7 +140,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       for (int i = 0; i < steps; i++, walk.advance(tile)) {
         const int q0 = tile.q0;
         // This step's rows were fetched a step ago; the next step's go out now.
-        const auto& rows = stats[i & 1][stats_warp];
+        const auto& rows = s.stats[i & 1][stats_warp];
         wait_rows<0>();
         if (i + 1 < steps) {
           query_walk::tile next = tile;
