@@ -33,6 +33,14 @@ def test_load_store_roundtrip_every_swizzle(kernels, rng, cols, valid_rows):
     np.testing.assert_array_equal(np.asarray(y_via_shared, np.float32), expected)
 
 
+@pytest.mark.parametrize("cols", [16, 32, 64, 128])
+def test_store_transposed_every_swizzle(kernels, rng, cols):
+    """A register tile written transposed into a swizzled shared tile (stmatrix .trans)."""
+    x = rng.standard_normal((64, cols)).astype(jnp.bfloat16)
+    (y,) = _call("tk_test_transpose", [jax.ShapeDtypeStruct((cols, 64), jnp.bfloat16)], jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(y, np.float32), x.astype(np.float32).T)
+
+
 @pytest.mark.parametrize("dtype,target", [(jnp.bfloat16, "tk_test_mma_bf16"), (jnp.float16, "tk_test_mma_f16")])
 def test_mma_ab_and_abt(kernels, rng, dtype, target):
     a, b, c = (rng.standard_normal((64, 64)).astype(dtype) for _ in range(3))

@@ -62,6 +62,39 @@ ffi::Error Roundtrip(cudaStream_t s, ffi::Buffer<ffi::BF16> x, ffi::Result<ffi::
   return launched("tk_test_roundtrip");
 }
 
+// ---- registers -> shared, transposed (stmatrix .trans): y = x^T, x [64, C], y [C, 64] ----
+template <int C>
+__global__ void transpose_kernel(gl<bf16> x, gl<bf16> y) {
+  __shared__ st<bf16, ROWS, C> tile;
+  __shared__ st<bf16, C, ROWS> transposed;
+  load_async<128>(tile, x, {0, 0, 0});
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  rt<bf16, 16, C> r;
+  load(r, tile, 16 * warpid(), 0);
+  store_transposed(transposed, r, 0, 16 * warpid());
+  __syncthreads();
+  store<128>(y, transposed, {0, 0, 0});
+}
+
+ffi::Error Transpose(cudaStream_t s, ffi::Buffer<ffi::BF16> x, ffi::Result<ffi::Buffer<ffi::BF16>> y) {
+  const auto d = x.dimensions();
+  if (d.size() != 2 || d[0] != ROWS) return ffi::Error::InvalidArgument("x must be [64, C]");
+  if (y->dimensions()[0] != d[1] || y->dimensions()[1] != ROWS) return ffi::Error::InvalidArgument("y must be [C, 64]");
+  const int cols = int(d[1]);
+  auto xv = gl<bf16>::contiguous(reinterpret_cast<bf16*>(const_cast<void*>(x.untyped_data())), 1, ROWS, 1, cols);
+  auto yv = gl<bf16>::contiguous(reinterpret_cast<bf16*>(y->untyped_data()), 1, cols, 1, ROWS);
+  switch (cols) {
+    case 16: transpose_kernel<16><<<1, 128, 0, s>>>(xv, yv); break;
+    case 32: transpose_kernel<32><<<1, 128, 0, s>>>(xv, yv); break;
+    case 64: transpose_kernel<64><<<1, 128, 0, s>>>(xv, yv); break;
+    case 128: transpose_kernel<128><<<1, 128, 0, s>>>(xv, yv); break;
+    default: return ffi::Error::InvalidArgument("C must be 16, 32, 64 or 128");
+  }
+  return launched("tk_test_transpose");
+}
+
 // ---- mma: a @ b (b through the col layout) and a @ c^T, all 64x64 ----
 template <typename T>
 __global__ void mma_kernel(gl<T> a, gl<T> b, gl<T> c, gl<float> ab, gl<float> abt) {
@@ -166,6 +199,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_roundtrip, Roundtrip,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_transpose, Transpose,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());
 
 #define TK_MMA_BINDING(DT)                                \

@@ -7,6 +7,7 @@ namespace nb = nanobind;
 
 extern "C" {
 XLA_FFI_Error* tk_test_roundtrip(XLA_FFI_CallFrame*);
+XLA_FFI_Error* tk_test_transpose(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_mma_bf16(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_mma_f16(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_rowops(XLA_FFI_CallFrame*);
@@ -20,6 +21,7 @@ NB_MODULE(_tk_tests, m) {
   m.def("registrations", []() {
     nb::dict targets;
     targets["tk_test_roundtrip"] = nb::capsule(reinterpret_cast<void*>(tk_test_roundtrip));
+    targets["tk_test_transpose"] = nb::capsule(reinterpret_cast<void*>(tk_test_transpose));
     targets["tk_test_mma_bf16"] = nb::capsule(reinterpret_cast<void*>(tk_test_mma_bf16));
     targets["tk_test_mma_f16"] = nb::capsule(reinterpret_cast<void*>(tk_test_mma_f16));
     targets["tk_test_rowops"] = nb::capsule(reinterpret_cast<void*>(tk_test_rowops));

@@ -82,6 +82,33 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                : "memory");
 }
 
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                                  uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// The transpose of a 16-bit register tile (row layout) into a shared tile of the same type:
+// dst(row0 + c, col0 + r) = src(r, c), row0 and col0 multiples of 16. Register data[q] holds the
+// 8 x 8 block at src rows 8 (q & 1), columns 8 (q >> 1); stmatrix .trans writes each block
+// transposed, and lane l gives the address of row l % 8 of block l / 8's destination.
+template <typename T, int R, int C, int SR, int SC>
+__device__ __forceinline__ void store_transposed(st<T, SR, SC>& dst, const rt<T, R, C, layout::row>& src,
+                                                 int row0 = 0, int col0 = 0) {
+  static_assert(sizeof(T) == 2, "stmatrix moves 16-bit values");
+  const int lane = laneid(), q = lane / 8;
+  const int r_in = 8 * (q >> 1) + lane % 8, c_in = 8 * (q & 1);
+#pragma unroll
+  for (int i = 0; i < src.height; i++)
+#pragma unroll
+    for (int j = 0; j < src.width; j++) {
+      const auto& t = src.tiles[i][j];
+      stmatrix_x4_trans(dst.addr(row0 + 16 * j + r_in, col0 + 16 * i + c_in), as_u32(t.data[0]), as_u32(t.data[1]),
+                        as_u32(t.data[2]), as_u32(t.data[3]));
+    }
+}
+
 // Register tile (row layout) into a shared tile, converting to the tile's type (16-bit or
 // fp32 values); row0 must be a multiple of 8 and col0 of 16. Swizzling permutes 16-byte chunks
 // within an 8-row atom of one panel, so moving down 8 rows or across whole panels adds a
