@@ -337,3 +337,23 @@ def test_auto_dispatches_to_kernel_when_available(monkeypatch):
     assert_close(o.reshape((6,) + o.shape[2:]), naive_attention(*flat[:3], 0.3, 2, 0)[0], "o", seed)
     for grad_name, grad, ref in zip("qkv", grads, naive_attention_grads(*flat, 0.3, 2, 0)):
         assert_close(grad.reshape(ref.shape), ref, f"d{grad_name}", seed)
+
+
+def test_dq_fragment_order_round_trip():
+    """The backward kernel stages and adds dQ chunks in its warps' register order (kittens
+    store_fragments: lane l = 4 g + t writes pair n = (2 j + half) 2 + down of warp w at floats
+    1024 w + 2 (32 n + l)); dq_from_fragment_order must put every element back in place."""
+    from tk_jax._kernels import dq_from_fragment_order
+
+    rng = np.random.default_rng()
+    b, t, h, d = 2, 128, 3, 128
+    m = rng.standard_normal((b, t, h, d)).astype(np.float32)
+    acc = np.zeros((b, h, t // 64, d // 64, 4096), np.float32)
+    w, j, half, down, g, tt, bit = np.meshgrid(*(np.arange(n) for n in (4, 4, 2, 2, 8, 4, 2)), indexing="ij")
+    pos = 1024 * w + 2 * (32 * ((2 * j + half) * 2 + down) + 4 * g + tt) + bit
+    row, col = 16 * w + 8 * down + g, 16 * j + 8 * half + 2 * tt + bit
+    for tile in range(t // 64):
+        for chunk in range(d // 64):
+            block = m[:, 64 * tile + row.ravel(), :, 64 * chunk + col.ravel()]  # [4096, b, h]
+            acc[:, :, tile, chunk, pos.ravel()] = block.transpose(1, 2, 0)
+    np.testing.assert_array_equal(np.asarray(dq_from_fragment_order(jnp.asarray(acc))), m)

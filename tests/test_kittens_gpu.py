@@ -106,6 +106,21 @@ def test_fp32_shared_tiles_bulk_store_and_add(kernels, rng):
     np.testing.assert_allclose(np.asarray(out), base.astype(np.float64) + 2 * x[:50], rtol=1e-6, atol=1e-6)
 
 
+def test_fragment_order_bulk_add(kernels, rng):
+    """Four warps stage a 64 x 64 fp32 register tile in their register order (store_fragments)
+    and one thread adds it twice with 1-D bulk reductions; put back in row order by the
+    permutation the attention backward's dQ goes through, the sum must be 2 x."""
+    from tk_jax._kernels import dq_from_fragment_order
+
+    base = rng.standard_normal(64 * 64).astype(np.float32)
+    x = rng.standard_normal((64, 64)).astype(np.float32)
+    out = _call("tk_test_fragment_add", jax.ShapeDtypeStruct((64 * 64,), jnp.float32), jnp.asarray(base),
+                jnp.asarray(x))
+    added = (np.asarray(out, np.float64) - base).astype(np.float32).reshape(1, 1, 1, 1, 64 * 64)
+    rows = np.asarray(dq_from_fragment_order(jnp.asarray(added)))[0, :, 0, :]
+    np.testing.assert_allclose(rows, 2 * x, rtol=1e-5, atol=1e-5)
+
+
 def test_cluster_mailbox(kernels, rng):
     """Two blocks of a cluster swap fp32 register tiles through each other's shared memory,
     32 columns per use, six uses (barrier phases wrap): block r's tile in round n is x[r] + n,

@@ -60,15 +60,33 @@ def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: 
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse * np.float32(np.log2(np.e)))
     lse = jnp.pad(lse, ((0, 0), (0, 0), (0, pad)), constant_values=jnp.inf)
     delta = jnp.pad(delta, ((0, 0), (0, 0), (0, pad)))
+    batch, _, heads_q, head_dim = q.shape
+    fragment_order = head_dim <= 128  # the accumulator's layout (cpp: dq_accum_floats)
+    tiles = (seq_q + pad) // BACKWARD_Q_TILE
+    dq_shape = (batch, heads_q, tiles, head_dim // 64, BACKWARD_Q_TILE * 64) if fragment_order else q.shape
     out_types = (
-        jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        jax.ShapeDtypeStruct(dq_shape, jnp.float32),
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype),
     )
     call = jax.ffi.ffi_call("tk_attention_bwd", out_types, vmap_method="broadcast_all")
     dq, dk, dv = call(q, k, v, do.astype(q.dtype), lse, delta, scale=np.float32(scale),
                       window_left=np.int64(window_left), window_right=np.int64(window_right))
+    if fragment_order:
+        dq = dq_from_fragment_order(dq)[:, :seq_q]
     return dq.astype(q.dtype), dk, dv
+
+
+def dq_from_fragment_order(acc):
+    """[B, H, T/64, D/64, 4096] -> [B, T, H, D]: undo the order in which the backward kernel's
+    warps stage and add their dQ chunks (cpp: kittens store_fragments, attention.h). A chunk's
+    element (w, j, half, down, g, t, bit) is row 16 w + 8 down + g, column 16 j + 8 half + 2 t +
+    bit of its 64 x 64 block; runs of 8 floats (t, bit) stay contiguous, so the transpose reads
+    whole 32-byte sectors, fused with the cast that follows."""
+    b, h, tiles, chunks, _ = acc.shape
+    x = acc.reshape(b, h, tiles, chunks, 4, 4, 2, 2, 8, 4, 2)  # b h tile chunk w j half down g t bit
+    x = x.transpose(0, 2, 4, 7, 8, 1, 3, 5, 6, 9, 10)           # b tile w down g h chunk j half t bit
+    return x.reshape(b, tiles * 64, h, chunks * 64)
 
 
 BASED_FEATURE_DIM = 16       # q/k features of Based (cpp: tk::based::FEATURE_DIM)

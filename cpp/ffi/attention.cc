@@ -95,8 +95,7 @@ ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   if (dk->element_type() != dtype || dv->element_type() != dtype) return invalid_bwd("dk and dv take q's dtype");
   if (!same_dims(v.dimensions(), kd) || !same_dims(dk->dimensions(), kd) || !same_dims(dv->dimensions(), kd))
     return invalid_bwd("k, v, dk and dv must share one shape");
-  if (!same_dims(dout.dimensions(), qd) || !same_dims(dq_accum->dimensions(), qd))
-    return invalid_bwd("q, dout and dq_accum must share one shape");
+  if (!same_dims(dout.dimensions(), qd)) return invalid_bwd("q and dout must share one shape");
   for (size_t i = 0; i + 3 < r; i++)
     if (kd[i] != qd[i]) return invalid_bwd("q and k batch dimensions differ");
   if (kd[r - 1] != qd[r - 1]) return invalid_bwd("q and k head_dim differ");
@@ -108,6 +107,18 @@ ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
       return invalid_bwd("lse and delta must be [..., heads_q, seq_q rounded up to 64]");
     for (size_t i = 0; i + 3 < r; i++)
       if (d[i] != qd[i]) return invalid_bwd("lse and delta batch dimensions differ from q's");
+  }
+  {  // the accumulator's layout (tk::attention::dq_accum_floats)
+    const auto ad = dq_accum->dimensions();
+    const int64_t dim = qd[r - 1];
+    if (tk::attention::dq_in_fragment_order(int(dim))) {
+      bool ok = ad.size() == r + 1 && ad[r - 3] == qd[r - 2] && ad[r - 2] == padded / tk::attention::BACKWARD_Q_TILE &&
+                ad[r - 1] == dim / 64 && ad[r] == tk::attention::BACKWARD_Q_TILE * 64;
+      for (size_t i = 0; ok && i + 3 < r; i++) ok = ad[i] == qd[i];
+      if (!ok) return invalid_bwd("dq_accum must be [..., heads_q, seq_q rounded up to 64 / 64, head_dim / 64, 4096]");
+    } else if (!same_dims(ad, qd)) {
+      return invalid_bwd("dq_accum must have q's shape at head_dim 256");
+    }
   }
   const int64_t batch = leading_product(qd, 3);
   if (batch > INT32_MAX || seq_q > INT32_MAX || kd[r - 3] > INT32_MAX) return invalid_bwd("dimensions too large");

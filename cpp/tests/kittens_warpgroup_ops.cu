@@ -183,6 +183,38 @@ ffi::Error BulkAdd(cudaStream_t stream, ffi::Buffer<ffi::F32> base, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+// ---- fragment-order staging and 1-D bulk adds: out = base + 2 x, x [64, 64] staged by four warps in
+// their register order (the attention backward's dQ path) ----
+__global__ void __launch_bounds__(128) fragment_add_kernel(const float* x, float* out) {
+  __shared__ __align__(128) float staged[64 * 64];
+  const int row0 = 16 * warpgroup::warp_in_group();
+  rt_fl<16, 64> t;
+  for_each(t, [&](float& v, int r, int c) { v = x[(row0 + r) * 64 + c]; });
+  store_fragments(staged + 64 * row0, t);
+  warpgroup::fence_shared_to_async();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int round = 0; round < 2; round++) {
+      tma::add_bulk_async(out, staged, sizeof(staged));
+      tma::commit_group();
+    }
+    tma::wait_group<0>();
+  }
+}
+
+ffi::Error FragmentAdd(cudaStream_t stream, ffi::Buffer<ffi::F32> base, ffi::Buffer<ffi::F32> x,
+                       ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  if (base.element_count() != 64 * 64 || x.element_count() != 64 * 64 || out->element_count() != 64 * 64)
+    return ffi::Error::InvalidArgument("base, x and out must hold 64 x 64 floats");
+  if (cudaMemcpyAsync(out->typed_data(), base.typed_data(), 64 * 64 * sizeof(float), cudaMemcpyDeviceToDevice,
+                      stream) != cudaSuccess)
+    return ffi::Error::Internal("tk_test_fragment_add: copy failed");
+  fragment_add_kernel<<<1, 128, 0, stream>>>(x.typed_data(), out->typed_data());
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("tk_test_fragment_add: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
 // ---- cluster mailbox: two blocks of a cluster swap 64 x 64 fp32 tiles, 32 columns per use
 // through two slots, three rounds (six uses: each slot's barrier phases wrap); block r's tile
 // in round n is x[r] + n, so out[r] = x[r] + sum_n (x[1 - r] + n) = x[r] + 3 x[1 - r] + 3 ----
@@ -231,6 +263,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_ring, Ring,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_fragment_add, FragmentAdd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_bulk_add, BulkAdd,

@@ -14,6 +14,7 @@ XLA_FFI_Error* tk_test_rowops(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_wgmma(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_ring(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_bulk_add(XLA_FFI_CallFrame*);
+XLA_FFI_Error* tk_test_fragment_add(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_mailbox(XLA_FFI_CallFrame*);
 }
 
@@ -28,6 +29,7 @@ NB_MODULE(_tk_tests, m) {
     targets["tk_test_wgmma"] = nb::capsule(reinterpret_cast<void*>(tk_test_wgmma));
     targets["tk_test_ring"] = nb::capsule(reinterpret_cast<void*>(tk_test_ring));
     targets["tk_test_bulk_add"] = nb::capsule(reinterpret_cast<void*>(tk_test_bulk_add));
+    targets["tk_test_fragment_add"] = nb::capsule(reinterpret_cast<void*>(tk_test_fragment_add));
     targets["tk_test_mailbox"] = nb::capsule(reinterpret_cast<void*>(tk_test_mailbox));
     return targets;
   });

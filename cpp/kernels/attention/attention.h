@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+
 namespace tk::attention {
 
 enum class DType { bf16, fp16 };
@@ -40,7 +42,7 @@ struct BackwardParams {
   const void* dout;   // [batch, seq_q, heads_q, head_dim], gradient of the output
   const float* lse;   // [batch, heads_q, seq_q_padded]: lse * log2(e); +inf marks rows that saw no key and padding
   const float* delta; // [batch, heads_q, seq_q_padded]: scale * (rowsum(dout * o) - dlse), 0 on padding
-  float* dq_accum;    // [batch, seq_q, heads_q, head_dim] float32, zeroed and accumulated here
+  float* dq_accum;    // float32, zeroed and accumulated here; layout: dq_accum_floats below
   void* dk;           // [batch, seq_k, heads_kv, head_dim], k's dtype (summed over the GQA group)
   void* dv;           // [batch, seq_k, heads_kv, head_dim]
   int batch, seq_q, seq_k, heads_q, heads_kv, head_dim;
@@ -52,6 +54,18 @@ struct BackwardParams {
 
 // lse and delta rows are padded to a multiple of this many queries.
 constexpr int BACKWARD_Q_TILE = 64;
+
+// The dQ accumulator's layout. head_dim <= 128: [batch, heads_q, seq_q_padded / 64, head_dim / 64,
+// 64 x 64], each 64-query x 64-column chunk in the fragment order of four warps' kittens
+// store_fragments (warp w holds rows 16 w ..; element (w, j, half, down, g, t, bit) is row
+// 16 w + 8 down + g, column 16 j + 8 half + 2 t + bit), so that a chunk is added with one
+// contiguous bulk reduction and its stores are conflict-free. head_dim 256: [batch, seq_q,
+// heads_q, head_dim] in row order.
+inline bool dq_in_fragment_order(int head_dim) { return head_dim <= 128; }
+inline size_t dq_accum_floats(const BackwardParams& p) {
+  const int rows = dq_in_fragment_order(p.head_dim) ? p.seq_q_padded : p.seq_q;
+  return size_t(p.batch) * p.heads_q * rows * p.head_dim;
+}
 
 const char* backward_unsupported(const BackwardParams& p);
 

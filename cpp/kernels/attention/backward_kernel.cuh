@@ -7,9 +7,9 @@
 //   dV  += P^T dO                      dP^T = V dO^T
 //   dS^T = P^T o (scale dP^T - delta)  (delta = scale (rowsum(dO o O) - dlse), per column)
 //   dK  += dS^T Q                      dQ  += dS K   (dS^T of all 128 keys staged in shared
-//                                                    memory; the dQ tile staged there too and
-//                                                    added to global memory by one TMA bulk
-//                                                    reduction: full-line adds in L2)
+//                                                    memory; the dQ tile staged there too, in
+//                                                    fragment order, and added to the
+//                                                    accumulator by one 1-D bulk reduction)
 // The producer warpgroup's first warp streams Q and dO tiles through a ring of stages, its
 // second issues the dQ adds. Each consumer warp fetches the lse and delta rows of its next
 // step for itself (cp.async into its own buffer), so they are there when the step begins.
@@ -40,7 +40,9 @@ struct backward_shared {
   st<T, 64, D> k[config::CONSUMERS], v[config::CONSUMERS];
   query_stages<T, D, config::STAGES> stages;
   st<T, 64, config::Q_ROWS> ds[2][config::CONSUMERS];  // dS^T per step parity and consumer: keys x queries
-  st<float, config::Q_ROWS, 64> dq[config::CONSUMERS];  // a consumer's 64-column chunk of dQ on its way out
+  // A consumer's 64-column chunk of dQ on its way out, in fragment order (kittens
+  // store_fragments: conflict-free 8-byte stores; the accumulator keeps that order).
+  alignas(128) float dq[config::CONSUMERS][config::Q_ROWS * 64];
   warp_rows<2, config::Q_ROWS> stats[2][config::CONSUMERS * 4];  // lse2 and delta per step parity and warp
   tma::barrier kv_full;
 };
@@ -71,7 +73,8 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   // dQ += dS K over all 128 keys of the block, so each dQ element gets one add per block: both
   // consumers publish dS^T, then consumer c takes dQ's 64-column chunk c (at D = 64 only
   // consumer 0 has one). A chunk leaves through shared memory and one TMA bulk add, issued by
-  // a writer warp of the producer warpgroup, so a consumer hands it over and moves on:
+  // a writer warp of the producer warpgroup, so a consumer hands it over and moves on (the
+  // accumulator's layout: attention.h):
   //   consumer: sync dq_empty(c), write the rows, fence, arrive dq_full(c)
   //   writer:   sync dq_full(c), issue the add, wait until it has read the rows, arrive dq_empty(c)
   constexpr int DQ_CHUNKS = D / 64;
@@ -100,7 +103,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         for (int chunk = 0; chunk < DQ_CHUNKS; chunk++) {
           named_barrier_sync(dq_full(chunk), DQ_HANDOFF_THREADS);
           if (lane0) {
-            tma::store_add_async(args.dq_accum, &s.dq[chunk], 0, tile.q0, 2 * chunk, tile.head, b);
+            tma::add_bulk_async(p.dq_accum + dq_chunk_offset<D>(p, b, tile, chunk), s.dq[chunk], sizeof(s.dq[0]));
             tma::commit_group();
           }
         }
@@ -191,7 +194,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         if constexpr (has_chunk) {
           warpgroup::wait<1>();  // dQ is ready
           named_barrier_sync(dq_empty(consumer), DQ_HANDOFF_THREADS);  // the writer has read the last chunk
-          store(s.dq[consumer], dq, 16 * warp, 0);
+          store_fragments(s.dq[consumer] + 16 * 64 * warp, dq);
           warpgroup::fence_shared_to_async();
           named_barrier_arrive(dq_full(consumer), DQ_HANDOFF_THREADS);
         }

@@ -15,7 +15,6 @@ using namespace kittens;
 
 struct BackwardArgs {
   CUtensorMap q, k, v, dout;  // boxes: BACKWARD_Q_TILE query rows, the kernel's key rows
-  CUtensorMap dq_accum;       // fp32, boxes of BACKWARD_Q_TILE rows x 64 columns (bulk adds)
   BackwardParams p;
   int pairs_per_group;        // (batch, KV head) pairs whose blocks interleave; see key_block_of
 };
@@ -31,14 +30,12 @@ cudaError_t prepare_backward(BackwardArgs& args, const BackwardParams& p, int kv
   if (!tma::make_bshd_map(&args.q, p.q, bf, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE) ||
       !tma::make_bshd_map(&args.dout, p.dout, bf, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE) ||
       !tma::make_bshd_map(&args.k, p.k, bf, p.batch, p.seq_k, p.heads_kv, D, kv_rows) ||
-      !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, kv_rows) ||
-      !tma::make_bshd_map_f32(&args.dq_accum, p.dq_accum, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE, 64))
+      !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, kv_rows))
     return cudaErrorInvalidValue;
   const size_t pair_bytes = size_t(p.seq_q) * (p.heads_q / p.heads_kv) * D * (2 * sizeof(T) + sizeof(float));
   const int pairs = p.batch * p.heads_kv;
   args.pairs_per_group = int(std::clamp<size_t>(group_l2_bytes / pair_bytes, 1, size_t(pairs)));
-  const size_t dq_bytes = size_t(p.batch) * p.seq_q * p.heads_q * D * sizeof(float);
-  return cudaMemsetAsync(p.dq_accum, 0, dq_bytes, stream);
+  return cudaMemsetAsync(p.dq_accum, 0, dq_accum_floats(p) * sizeof(float), stream);
 }
 
 // The key block, KV head and batch a thread block owns, for a grid of (key blocks, KV heads,
@@ -115,6 +112,14 @@ struct query_stages {
 // Where a query tile's rows start in the lse and delta arrays ([batch, heads_q, seq_q_padded]).
 __device__ __forceinline__ int64_t stats_offset(const BackwardParams& p, int b, query_walk::tile t) {
   return (int64_t(b) * p.heads_q + t.head) * p.seq_q_padded + t.q0;
+}
+
+// Where chunk `chunk` (64 columns) of a query tile's dQ starts in the fragment-ordered
+// accumulator (attention.h).
+template <int D>
+__device__ __forceinline__ int64_t dq_chunk_offset(const BackwardParams& p, int b, query_walk::tile t, int chunk) {
+  const int64_t tile = (int64_t(b) * p.heads_q + t.head) * (p.seq_q_padded / BACKWARD_Q_TILE) + t.q0 / BACKWARD_Q_TILE;
+  return (tile * (D / 64) + chunk) * (BACKWARD_Q_TILE * 64);
 }
 
 }  // namespace tk::attention

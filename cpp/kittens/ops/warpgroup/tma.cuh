@@ -75,6 +75,14 @@ __device__ __forceinline__ void store_add_async(const CUtensorMap& map, const vo
       "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(shared_addr(src))
       : "memory");
 }
+// Add `bytes` of fp32 values from shared `src` into global `dst`, element by element (fp32 add
+// in L2): a 1-D bulk reduction, no tensor map. Addresses and size are multiples of 16 bytes.
+// Grouped like store_add_async.
+__device__ __forceinline__ void add_bulk_async(float* dst, const float* src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(shared_addr(src)), "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int Pending>
 __device__ __forceinline__ void wait_group_read() {
