@@ -20,16 +20,23 @@ ffi::Error launched(const char* name) {
   return ffi::Error::Success();
 }
 
-// ---- global -> shared (swizzled) -> registers -> global, for each swizzle width ----
+// This warp's 16 rows of x [64, C], through the swizzled shared tile `tile` (cp.async, ldmatrix).
 template <int C>
-__global__ void roundtrip_kernel(gl<bf16> x, gl<bf16> y, gl<bf16> y_via_shared) {
-  __shared__ st<bf16, ROWS, C> tile, back;
+__device__ rt<bf16, 16, C> load_via_shared(st<bf16, ROWS, C>& tile, const gl<bf16>& x) {
   load_async<128>(tile, x, {0, 0, 0});
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
   rt<bf16, 16, C> r;
   load(r, tile, 16 * warpid(), 0);
+  return r;
+}
+
+// ---- global -> shared (swizzled) -> registers -> global, for each swizzle width ----
+template <int C>
+__global__ void roundtrip_kernel(gl<bf16> x, gl<bf16> y, gl<bf16> y_via_shared) {
+  __shared__ st<bf16, ROWS, C> tile, back;
+  const rt<bf16, 16, C> r = load_via_shared(tile, x);
   store(y, r, {0, 0, 16 * warpid()});
   store(back, r, 16 * warpid(), 0);  // registers -> swizzled shared -> global
   __syncthreads();
@@ -67,12 +74,7 @@ template <int C>
 __global__ void transpose_kernel(gl<bf16> x, gl<bf16> y) {
   __shared__ st<bf16, ROWS, C> tile;
   __shared__ st<bf16, C, ROWS> transposed;
-  load_async<128>(tile, x, {0, 0, 0});
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
-  rt<bf16, 16, C> r;
-  load(r, tile, 16 * warpid(), 0);
+  const rt<bf16, 16, C> r = load_via_shared(tile, x);
   store_transposed(transposed, r, 0, 16 * warpid());
   __syncthreads();
   store<128>(y, transposed, {0, 0, 0});
