@@ -11,8 +11,8 @@
 //                                                    fragment order, and added to the
 //                                                    accumulator by one 1-D bulk reduction)
 // The producer warpgroup's first warp streams Q and dO tiles through a ring of stages, its
-// second issues the dQ adds. Each consumer warp fetches the lse and delta rows of its next
-// step for itself (cp.async into its own buffer), so they are there when the step begins.
+// second issues the dQ adds, its third copies each step's lse2 and delta rows into a ring of
+// its own with plain loads and stores, a few steps ahead of the consumers.
 #pragma once
 
 #include "../../kittens/kittens.cuh"
@@ -30,6 +30,7 @@ struct backward_config {
   static constexpr int KV_ROWS = 64 * CONSUMERS;
   static constexpr int Q_ROWS = BACKWARD_Q_TILE;
   static constexpr int STAGES = 2;
+  static constexpr int STATS_STAGES = 4;  // 512 bytes each: the stats warp may run this far ahead
   static constexpr int PRODUCER_REGS = 24;
   static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, CONSUMERS);  // 240
 };
@@ -43,7 +44,10 @@ struct backward_shared {
   // A consumer's 64-column chunk of dQ on its way out, in fragment order (kittens
   // store_fragments: conflict-free 8-byte stores; the accumulator keeps that order).
   alignas(128) float dq[config::CONSUMERS][config::Q_ROWS * 64];
-  warp_rows<2, config::Q_ROWS> stats[2][config::CONSUMERS * 4];  // lse2 and delta per step parity and warp
+  struct query_stats {
+    float lse2[config::Q_ROWS], delta[config::Q_ROWS];
+  } stats[config::STATS_STAGES];
+  ring<config::STATS_STAGES> stats_slots;
   tma::barrier kv_full;
 };
 
@@ -66,6 +70,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   if (threadIdx.x == 0) {
     tma::init(s.kv_full, 1);
     s.stages.init(config::CONSUMERS * 4);
+    s.stats_slots.init(config::CONSUMERS * 4, 32);
     tma::fence_barrier_init();
   }
   __syncthreads();
@@ -118,6 +123,19 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         }
       }
       if (lane0) tma::wait_group<0>();  // the last adds have landed before the block exits
+    } else if (warp == 2 && steps > 0) {  // lse2 and delta rows: two floats of each per lane
+      static_assert(QT == 2 * 32, "a lane copies two columns");
+      const int col = 2 * laneid();
+      query_walk::tile tile = walk.first();
+      for (int i = 0; i < steps; i++, walk.advance(tile)) {
+        const int64_t row = stats_offset(p, b, tile) + col;
+        const float2 lse2 = *reinterpret_cast<const float2*>(p.lse + row);
+        const float2 delta = *reinterpret_cast<const float2*>(p.delta + row);
+        auto& rows = s.stats[s.stats_slots.wait_free(i)];
+        *reinterpret_cast<float2*>(&rows.lse2[col]) = lse2;
+        *reinterpret_cast<float2*>(&rows.delta[col]) = delta;
+        s.stats_slots.publish(i);
+      }
     }
   } else {  // ---------------- consumers ----------------
     warpgroup::increase_registers<config::CONSUMER_REGS>();
@@ -132,26 +150,13 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
 
     // The consumer's sweep, compiled apart for consumers without a dQ chunk (consumer 1 at
     // D = 64) so that every wgmma wait counts a fixed set of products.
-    const int stats_warp = 4 * consumer + warp;
-    auto fetch_stats = [&](query_walk::tile t, int buf) {
-      const int64_t row = stats_offset(p, b, t);
-      load_rows_async(s.stats[buf][stats_warp], {p.lse + row, p.delta + row});
-    };
     auto sweep = [&]<bool has_chunk>() {
       query_walk::tile tile = walk.first();
-      if (steps > 0) fetch_stats(tile, 0);
       for (int i = 0; i < steps; i++, walk.advance(tile)) {
         const int q0 = tile.q0;
-        // This step's rows were fetched a step ago; the next step's go out now.
-        const auto& rows = s.stats[i & 1][stats_warp];
-        wait_rows<0>();
-        if (i + 1 < steps) {
-          query_walk::tile next = tile;
-          walk.advance(next);
-          fetch_stats(next, (i + 1) & 1);
-        }
+        const auto& rows = s.stats[s.stats_slots.acquire(i)];
         col_vec<QT> lse2, delta;
-        load(lse2, rows.row[0]);
+        load(lse2, rows.lse2);
         const int stage = s.stages.acquire(i);
         const auto& q_tile = s.stages.q[stage];
         const auto& dout_tile = s.stages.dout[stage];
@@ -168,7 +173,8 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         rt<T, 16, QT> probs_16;
         copy(probs_16, probs);
         warpgroup::mma_AB(dv, probs_16, dout_tile, true);  // dV += P^T dO
-        load(delta, rows.row[1]);
+        load(delta, rows.delta);
+        s.stats_slots.release(i);
         warpgroup::wait<1>();  // dP^T is ready (groups complete in order)
 
         map_cols(dprobs, delta, [=](float dp, float delta) { return fmaf(dp, p.scale, -delta); });

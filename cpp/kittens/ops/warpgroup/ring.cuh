@@ -1,8 +1,10 @@
-// The producer/consumer ring: STAGES shared-memory slots that one producer thread fills with
-// TMA copies and consumer warps drain. Each slot has a "full" barrier (the producer's arrival
-// with the bytes to expect; the copy engine completes it) and an "empty" barrier (one arrival
-// per consumer warp). Uses are numbered i = 0, 1, 2, ... over the kernel's life: use i takes
-// slot i % STAGES at phase (i / STAGES) & 1.
+// The producer/consumer ring: STAGES shared-memory slots that a producer fills and consumer
+// warps drain. Each slot has a "full" barrier and an "empty" barrier (one arrival per consumer
+// warp). A producer fills a slot either with TMA copies (one thread: its arrival announces the
+// bytes to expect and the copy engine completes the phase) or with ordinary stores (every lane
+// of a warp stores, then arrives: the arrivals release the stores to the consumers). Uses are
+// numbered i = 0, 1, 2, ... over the kernel's life: use i takes slot i % STAGES at phase
+// (i / STAGES) & 1.
 // The tiles themselves live beside the ring; this holds only the synchronisation.
 #pragma once
 
@@ -15,9 +17,10 @@ struct ring {
   tma::barrier full[STAGES], empty[STAGES];
 
   // One thread, before tma::fence_barrier_init() and the block's first __syncthreads.
-  __device__ void init(int consumer_warps) {
+  // `fillers`: the arrivals that fill a slot (1 for copies, 32 for a warp's stores).
+  __device__ void init(int consumer_warps, int fillers = 1) {
     for (int s = 0; s < STAGES; s++) {
-      tma::init(full[s], 1);
+      tma::init(full[s], fillers);
       tma::init(empty[s], consumer_warps);
     }
   }
@@ -26,11 +29,17 @@ struct ring {
   // Producer: wait until use i's slot is free (use i - STAGES released it), announce `bytes`
   // of copies, and return the barrier those copies must complete on.
   __device__ tma::barrier& fill(int i, uint32_t bytes) {
-    if (i >= STAGES) tma::wait(empty[i % STAGES], ((i / STAGES) - 1) & 1);
-    tma::expect_bytes(full[i % STAGES], bytes);
+    tma::expect_bytes(full[wait_free(i)], bytes);
     return full[i % STAGES];
   }
-  // Consumers: wait for use i's copies (returns its slot); release the slot when done with it
+  // Producer warp that stores: every lane waits until use i's slot is free (returns the slot),
+  // stores its part, then publishes.
+  __device__ int wait_free(int i) {
+    if (i >= STAGES) tma::wait(empty[i % STAGES], ((i / STAGES) - 1) & 1);
+    return i % STAGES;
+  }
+  __device__ void publish(int i) { tma::arrive(full[i % STAGES]); }
+  // Consumers: wait for use i's contents (returns its slot); release the slot when done with it
   // (lane 0 arrives for its warp, after the warp's last read).
   __device__ int acquire(int i) {
     tma::wait(full[i % STAGES], (i / STAGES) & 1);
