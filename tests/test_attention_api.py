@@ -341,8 +341,8 @@ def test_auto_dispatches_to_kernel_when_available(monkeypatch):
 
 def test_dq_fragment_order_round_trip():
     """The backward kernel stages and adds dQ chunks in its warps' register order (kittens
-    store_fragments: lane l = 4 g + t writes pair n = (2 j + half) 2 + down of warp w at floats
-    1024 w + 2 (32 n + l)); dq_from_fragment_order must put every element back in place."""
+    store_fragments: lane l = 4 g + t writes quad n = 2 j + half of warp w, rows g then g + 8, at
+    floats 1024 w + 4 (32 n + l)); dq_from_fragment_order must put every element back in place."""
     from tk_jax._kernels import dq_from_fragment_order
 
     rng = np.random.default_rng()
@@ -350,7 +350,7 @@ def test_dq_fragment_order_round_trip():
     m = rng.standard_normal((b, t, h, d)).astype(np.float32)
     acc = np.zeros((b, h, t // 64, d // 64, 4096), np.float32)
     w, j, half, down, g, tt, bit = np.meshgrid(*(np.arange(n) for n in (4, 4, 2, 2, 8, 4, 2)), indexing="ij")
-    pos = 1024 * w + 2 * (32 * ((2 * j + half) * 2 + down) + 4 * g + tt) + bit
+    pos = 1024 * w + 4 * (32 * (2 * j + half) + 4 * g + tt) + 2 * down + bit
     row, col = 16 * w + 8 * down + g, 16 * j + 8 * half + 2 * tt + bit
     for tile in range(t // 64):
         for chunk in range(d // 64):

@@ -80,12 +80,12 @@ def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: 
 def dq_from_fragment_order(acc):
     """[B, H, T/64, D/64, 4096] -> [B, T, H, D]: undo the order in which the backward kernel's
     warps stage and add their dQ chunks (cpp: kittens store_fragments, attention.h). A chunk's
-    element (w, j, half, down, g, t, bit) is row 16 w + 8 down + g, column 16 j + 8 half + 2 t +
-    bit of its 64 x 64 block; runs of 8 floats (t, bit) stay contiguous, so the transpose reads
-    whole 32-byte sectors, fused with the cast that follows."""
+    element (w, j, half, g, t, down, bit) is row 16 w + 8 down + g, column 16 j + 8 half + 2 t +
+    bit of its 64 x 64 block. The transpose is fused with the cast that follows; each 64-byte
+    run (t, down, bit) it reads holds 8 contiguous floats of two output rows."""
     b, h, tiles, chunks, _ = acc.shape
-    x = acc.reshape(b, h, tiles, chunks, 4, 4, 2, 2, 8, 4, 2)  # b h tile chunk w j half down g t bit
-    x = x.transpose(0, 2, 4, 7, 8, 1, 3, 5, 6, 9, 10)           # b tile w down g h chunk j half t bit
+    x = acc.reshape(b, h, tiles, chunks, 4, 4, 2, 8, 4, 2, 2)  # b h tile chunk w j half g t down bit
+    x = x.transpose(0, 2, 4, 9, 7, 1, 3, 5, 6, 8, 10)           # b tile w down g h chunk j half t bit
     return x.reshape(b, tiles * 64, h, chunks * 64)
 
 

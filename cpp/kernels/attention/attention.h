@@ -57,7 +57,7 @@ constexpr int BACKWARD_Q_TILE = 64;
 
 // The dQ accumulator's layout. head_dim <= 128: [batch, heads_q, seq_q_padded / 64, head_dim / 64,
 // 64 x 64], each 64-query x 64-column chunk in the fragment order of four warps' kittens
-// store_fragments (warp w holds rows 16 w ..; element (w, j, half, down, g, t, bit) is row
+// store_fragments (warp w holds rows 16 w ..; element (w, j, half, g, t, down, bit) is row
 // 16 w + 8 down + g, column 16 j + 8 half + 2 t + bit), so that a chunk is added with one
 // contiguous bulk reduction and its stores are conflict-free. head_dim 256: [batch, seq_q,
 // heads_q, head_dim] in row order.

@@ -42,7 +42,7 @@ struct backward_shared {
   query_stages<T, D, config::STAGES> stages;
   st<T, 64, config::Q_ROWS> ds[2][config::CONSUMERS];  // dS^T per step parity and consumer: keys x queries
   // A consumer's 64-column chunk of dQ on its way out, in fragment order (kittens
-  // store_fragments: conflict-free 8-byte stores; the accumulator keeps that order).
+  // store_fragments: conflict-free 16-byte stores; the accumulator keeps that order).
   alignas(128) float dq[config::CONSUMERS][config::Q_ROWS * 64];
   struct query_stats {
     float lse2[config::Q_ROWS], delta[config::Q_ROWS];

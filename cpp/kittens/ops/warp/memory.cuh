@@ -160,26 +160,27 @@ __device__ __forceinline__ void store(st<T, SR, SC>& dst, const rt<U, R, C, layo
 }
 
 // A warp's fp32 register tile into shared memory in its own register order ("fragment order"),
-// for data that leaves by bulk copy and is put in row order later: lane l writes its pair n
-// to dst[2 (32 n + l)], so each store instruction fills 256 contiguous bytes (no bank
-// conflicts, no address arithmetic). Pair n = ((i * width + j) * 2 + half) * 2 + down holds
-// row 16 i + 8 down + g, columns 16 j + 8 half + 2 t and + 1 of the tile, where l = 4 g + t.
+// for data that leaves by bulk copy and is put in row order later: lane l writes its quad n
+// (the two pairs of registers 2 half and 2 half + 1) to dst[4 (32 n + l)], so each 16-byte store
+// instruction fills 512 contiguous bytes (no bank conflicts, no address arithmetic). Quad
+// n = (i * width + j) * 2 + half holds, in order, rows 16 i + g and 16 i + 8 + g (down = 0, 1),
+// columns 16 j + 8 half + 2 t and + 1 of the tile, where l = 4 g + t.
 // dst: 16-byte aligned, R * C floats.
 template <int R, int C>
 __device__ __forceinline__ void store_fragments(float* dst, const rt_fl<R, C>& src) {
-  const uint32_t base = shared_addr(dst) + 8 * laneid();
+  const uint32_t base = shared_addr(dst) + 16 * laneid();
 #pragma unroll
   for (int i = 0; i < src.height; i++)
 #pragma unroll
     for (int j = 0; j < src.width; j++)
 #pragma unroll
-      for (int half = 0; half < 2; half++)
-#pragma unroll
-        for (int down = 0; down < 2; down++) {  // register 2 * half + down: rows g + 8 down
-          const int n = ((i * src.width + j) * 2 + half) * 2 + down;
-          const float2 v = unpack(src.tiles[i][j].data[2 * half + down]);
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(base + 256 * n), "f"(v.x), "f"(v.y) : "memory");
-        }
+      for (int half = 0; half < 2; half++) {  // registers 2 half + down: rows g + 8 down
+        const int n = (i * src.width + j) * 2 + half;
+        const float2 top = unpack(src.tiles[i][j].data[2 * half]), bottom = unpack(src.tiles[i][j].data[2 * half + 1]);
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(base + 512 * n), "f"(top.x), "f"(top.y),
+                     "f"(bottom.x), "f"(bottom.y)
+                     : "memory");
+      }
 }
 
 // Register tile (row layout) straight to global, converting to T; rows past dst.seq skipped.
