@@ -85,12 +85,14 @@ def test_tma_and_wgmma(kernels, rng):
 
 
 def test_producer_consumer_ring(kernels, rng):
-    """Five TMA tiles through a two-slot ring (full/empty barriers, phases wrapping twice): the
-    consumer warpgroup weights use i by i + 1, so a slot read at the wrong phase shows up."""
+    """Two two-slot rings, phases wrapping twice: five TMA tiles through one, five rows of random
+    column weights through the other, stored by a producer warp's lanes; the consumer
+    warpgroup sums tile i times weights i, so a slot read at the wrong phase shows up."""
     x = rng.standard_normal((5 * 64, 64)).astype(jnp.bfloat16)
-    out = _call("tk_test_ring", jax.ShapeDtypeStruct((64, 64), jnp.float32), jnp.asarray(x))
+    w = rng.standard_normal((5, 64)).astype(np.float32)
+    out = _call("tk_test_ring", jax.ShapeDtypeStruct((64, 64), jnp.float32), jnp.asarray(x), jnp.asarray(w))
     tiles = x.astype(np.float64).reshape(5, 64, 64)
-    expected = sum((i + 1) * tiles[i] for i in range(5))
+    expected = sum(tiles[i] * w[i].astype(np.float64) for i in range(5))
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
 
 

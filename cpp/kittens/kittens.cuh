@@ -8,7 +8,6 @@
 #include "common/tma_host.cuh"
 #include "ops/block/cluster.cuh"
 #include "ops/block/memory.cuh"
-#include "ops/warp/async_rows.cuh"
 #include "ops/warp/maps.cuh"
 #include "ops/warp/memory.cuh"
 #include "ops/warp/mma.cuh"

@@ -74,51 +74,68 @@ ffi::Error Wgmma(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
-// ---- the producer/consumer ring: 5 tiles through 2 slots; out = sum_i (i + 1) x_i ----
+// ---- the producer/consumer ring, filled both ways: 5 tiles through 2 slots by TMA, and 5 rows
+// of column weights through 2 more slots by a warp's plain stores; out = sum_i x_i * w_i ----
 constexpr int RING_TILES = 5;
 
 struct RingTestArgs {
-  CUtensorMap x;  // bf16 [RING_TILES * 64, 64], boxes of 64 rows
-  float* out;     // [64, 64]
+  CUtensorMap x;    // bf16 [RING_TILES * 64, 64], boxes of 64 rows
+  const float* w;   // [RING_TILES, 64]: use i's weight for each column
+  float* out;       // [64, 64]
 };
 
 struct ring_test_shared {
   st<bf16, 64, 64> tile[2];
-  ring<2> slots;
+  float weights[2][64];
+  ring<2> tile_slots, weight_slots;
 };
 
 __global__ void __launch_bounds__(256) ring_test_kernel(const __grid_constant__ RingTestArgs args) {
   extern __shared__ char smem_raw[];
   auto& s = aligned_shared<ring_test_shared>(smem_raw);
   if (threadIdx.x == 0) {
-    s.slots.init(4);  // the consumer warpgroup's 4 warps
+    s.tile_slots.init(4);  // the consumer warpgroup's 4 warps
+    s.weight_slots.init(4, 32);  // filled by a warp's 32 lanes
     tma::fence_barrier_init();
   }
   __syncthreads();
-  if (warpgroup::groupid() == 0) {  // producer: one thread
+  if (warpgroup::groupid() == 0) {  // producer: one thread copies, warp 1 stores
     if (threadIdx.x == 0)
       for (int i = 0; i < RING_TILES; i++)
-        tma::load_async(&s.tile[s.slots.slot(i)], args.x, s.slots.fill(i, sizeof(s.tile[0])), 0, 64 * i, 0, 0, 0);
+        tma::load_async(&s.tile[s.tile_slots.slot(i)], args.x, s.tile_slots.fill(i, sizeof(s.tile[0])), 0, 64 * i, 0, 0,
+                        0);
+    if (warpgroup::warp_in_group() == 1)
+      for (int i = 0; i < RING_TILES; i++) {
+        const float2 w = reinterpret_cast<const float2*>(args.w + 64 * i)[laneid()];
+        reinterpret_cast<float2*>(s.weights[s.weight_slots.wait_free(i)])[laneid()] = w;
+        s.weight_slots.publish(i);
+      }
     return;
   }
   const int row0 = 16 * warpgroup::warp_in_group();
   rt_fl<16, 64> sum;
   zero(sum);
-  for (int i = 0; i < RING_TILES; i++) {  // weights (i + 1): each use must see its own tile
+  for (int i = 0; i < RING_TILES; i++) {  // each use must see its own tile and its own weights
     rt<bf16, 16, 64> t;
-    load(t, s.tile[s.slots.acquire(i)], row0, 0);
-    s.slots.release(i);
+    load(t, s.tile[s.tile_slots.acquire(i)], row0, 0);
+    s.tile_slots.release(i);
+    col_vec<64> w;
+    load(w, s.weights[s.weight_slots.acquire(i)]);
+    s.weight_slots.release(i);
     rt_fl<16, 64> f;
     copy(f, t);
-    mul(f, float(i + 1));
+    map_cols(f, w, [](float x, float w) { return x * w; });
     add(sum, f);
   }
   store(gl<float>::contiguous(args.out, 1, 64, 1, 64), sum, {0, 0, row0});
 }
 
-ffi::Error Ring(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+ffi::Error Ring(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> w,
+                ffi::Result<ffi::Buffer<ffi::F32>> out) {
   if (x.element_count() != RING_TILES * 64 * 64) return ffi::Error::InvalidArgument("x must be [320, 64]");
+  if (w.element_count() != RING_TILES * 64) return ffi::Error::InvalidArgument("w must be [5, 64]");
   RingTestArgs args{};
+  args.w = w.typed_data();
   if (!tma::make_bshd_map(&args.x, x.untyped_data(), true, 1, RING_TILES * 64, 1, 64, 64))
     return ffi::Error::Internal("tk_test_ring: tensor map encoding failed");
   args.out = out->typed_data();
@@ -263,6 +280,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_ring, Ring,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_fragment_add, FragmentAdd,
