@@ -43,7 +43,7 @@ struct backward_shared {
   st<T, 64, config::Q_ROWS> ds[2][config::CONSUMERS];  // dS^T per step parity and consumer: keys x queries
   // A consumer's 64-column chunk of dQ on its way out, in fragment order (kittens
   // store_fragments: conflict-free 16-byte stores; the accumulator keeps that order).
-  alignas(128) float dq[config::CONSUMERS][config::Q_ROWS * 64];
+  alignas(128) float dq[D / 64][config::Q_ROWS * 64];
   struct query_stats {
     float lse2[config::Q_ROWS], delta[config::Q_ROWS];
   } stats[config::STATS_STAGES];
@@ -76,16 +76,22 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   __syncthreads();
 
   // dQ += dS K over all 128 keys of the block, so each dQ element gets one add per block: both
-  // consumers publish dS^T, then consumer c takes dQ's 64-column chunk c (at D = 64 only
-  // consumer 0 has one). A chunk leaves through shared memory and one TMA bulk add, issued by
-  // a writer warp of the producer warpgroup, so a consumer hands it over and moves on (the
-  // accumulator's layout: attention.h):
+  // consumers publish dS^T (named barrier ds_ready), then consumer c takes dQ's 64-column
+  // chunk c. At D = 64 there is one chunk, and the consumers take turns: consumer i % 2
+  // computes step i's, and the other only arrives at ds_ready and goes on, so both do the same
+  // work over two steps. ds_ready alternates between two barriers by step parity, so that a
+  // consumer that only arrived cannot run a whole barrier ahead of the other.
+  // A chunk leaves through shared memory and one TMA bulk add, issued by a writer warp of the
+  // producer warpgroup, so a consumer hands it over and moves on (the accumulator's layout:
+  // attention.h):
   //   consumer: sync dq_empty(c), write the rows, fence, arrive dq_full(c)
   //   writer:   sync dq_full(c), issue the add, wait until it has read the rows, arrive dq_empty(c)
   constexpr int DQ_CHUNKS = D / 64;
-  static_assert(DQ_CHUNKS <= config::CONSUMERS, "one dQ chunk per consumer at most");
-  auto dq_empty = [](int chunk) { return 2 + chunk; };
-  auto dq_full = [](int chunk) { return 2 + DQ_CHUNKS + chunk; };
+  constexpr bool TAKE_TURNS = DQ_CHUNKS < config::CONSUMERS;
+  static_assert(DQ_CHUNKS == config::CONSUMERS || (TAKE_TURNS && DQ_CHUNKS == 1), "one chunk each, or turns on one");
+  auto ds_ready = [](int step) { return 1 + (step & 1); };
+  auto dq_empty = [](int chunk) { return 3 + chunk; };
+  auto dq_full = [](int chunk) { return 3 + DQ_CHUNKS + chunk; };
   constexpr int DQ_HANDOFF_THREADS = 128 + 32;  // a consumer warpgroup and the writer warp
 
   if (warpgroup::groupid() == 0) {  // ---------------- producer ----------------
@@ -148,69 +154,69 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     zero(dv);
     if (steps > 0) tma::wait(s.kv_full, 0);
 
-    // The consumer's sweep, compiled apart for consumers without a dQ chunk (consumer 1 at
-    // D = 64) so that every wgmma wait counts a fixed set of products.
-    auto sweep = [&]<bool has_chunk>() {
-      query_walk::tile tile = walk.first();
-      for (int i = 0; i < steps; i++, walk.advance(tile)) {
-        const int q0 = tile.q0;
-        const auto& rows = s.stats[s.stats_slots.acquire(i)];
-        col_vec<QT> lse2, delta;
-        load(lse2, rows.lse2);
-        const int stage = s.stages.acquire(i);
-        const auto& q_tile = s.stages.q[stage];
-        const auto& dout_tile = s.stages.dout[stage];
+    // One step of the walk, compiled apart for steps without a dQ chunk (every other step of
+    // each consumer at D = 64), so that every wgmma wait counts a fixed set of products.
+    auto step = [&]<bool has_chunk>(int i, int q0) {
+      const auto& rows = s.stats[s.stats_slots.acquire(i)];
+      col_vec<QT> lse2, delta;
+      load(lse2, rows.lse2);
+      const int stage = s.stages.acquire(i);
+      const auto& q_tile = s.stages.q[stage];
+      const auto& dout_tile = s.stages.dout[stage];
 
-        // S^T and dP^T = V dO^T issued together; P^T from the scores while dP^T is in flight.
-        // lse2 is +inf on rows that saw nothing, giving P = 0.
-        rt_fl<16, QT> probs, dprobs;
-        warpgroup::mma_ABt(probs, s.k[consumer], q_tile, false);
-        warpgroup::mma_ABt(dprobs, s.v[consumer], dout_tile, false);
-        warpgroup::wait<1>();  // S^T is ready
-        if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
-          mask_band.mask<true>(probs, q0, key0);
-        map_cols(probs, lse2, [=](float x, float lse2) { return fast_exp2(c * x - lse2); });
-        rt<T, 16, QT> probs_16;
-        copy(probs_16, probs);
-        warpgroup::mma_AB(dv, probs_16, dout_tile, true);  // dV += P^T dO
-        load(delta, rows.delta);
-        s.stats_slots.release(i);
-        warpgroup::wait<1>();  // dP^T is ready (groups complete in order)
+      // S^T and dP^T = V dO^T issued together; P^T from the scores while dP^T is in flight.
+      // lse2 is +inf on rows that saw nothing, giving P = 0.
+      rt_fl<16, QT> probs, dprobs;
+      warpgroup::mma_ABt(probs, s.k[consumer], q_tile, false);
+      warpgroup::mma_ABt(dprobs, s.v[consumer], dout_tile, false);
+      warpgroup::wait<1>();  // S^T is ready
+      if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
+        mask_band.mask<true>(probs, q0, key0);
+      map_cols(probs, lse2, [=](float x, float lse2) { return fast_exp2(c * x - lse2); });
+      rt<T, 16, QT> probs_16;
+      copy(probs_16, probs);
+      warpgroup::mma_AB(dv, probs_16, dout_tile, true);  // dV += P^T dO
+      load(delta, rows.delta);
+      s.stats_slots.release(i);
+      warpgroup::wait<1>();  // dP^T is ready (groups complete in order)
 
-        map_cols(dprobs, delta, [=](float dp, float delta) { return fmaf(dp, p.scale, -delta); });
-        mul(dprobs, probs);  // dS^T (scaled)
-        rt<T, 16, QT> ds_16;
-        copy(ds_16, dprobs);
+      map_cols(dprobs, delta, [=](float dp, float delta) { return fmaf(dp, p.scale, -delta); });
+      mul(dprobs, probs);  // dS^T (scaled)
+      rt<T, 16, QT> ds_16;
+      copy(ds_16, dprobs);
 
-        // dS^T is double-buffered by step parity: a buffer is rewritten two steps later, when
-        // both consumers have passed the barrier after their last product that read it.
-        // dQ's product goes first after the barrier, so its rows are handed to the writer
-        // while dK's product runs.
-        const int buf = i & 1;
-        store(s.ds[buf][consumer], ds_16, 16 * warp, 0);
-        warpgroup::fence_shared_to_async();
-        named_barrier_sync(1, 128 * config::CONSUMERS);
+      // dS^T is double-buffered by step parity: a buffer is rewritten two steps later, when
+      // the consumer that read it for dQ has passed a barrier the writer waits at since.
+      // dQ's product goes first after the barrier, so its rows are handed to the writer
+      // while dK's product runs.
+      const int buf = i & 1;
+      store(s.ds[buf][consumer], ds_16, 16 * warp, 0);
+      warpgroup::fence_shared_to_async();
+      if constexpr (has_chunk) {
+        named_barrier_sync(ds_ready(i), 128 * config::CONSUMERS);
+        const int chunk = TAKE_TURNS ? 0 : consumer;
         rt_fl<16, 64> dq;
-        if constexpr (has_chunk) {
 #pragma unroll
-          for (int half = 0; half < config::CONSUMERS; half++)
-            warpgroup::mma_AtB(dq, s.ds[buf][half], s.k[half], 64 * consumer, half > 0);
-        }
+        for (int half = 0; half < config::CONSUMERS; half++)
+          warpgroup::mma_AtB(dq, s.ds[buf][half], s.k[half], 64 * chunk, half > 0);
         warpgroup::mma_AB(dk, ds_16, q_tile, true);  // dK += dS^T Q
-        if constexpr (has_chunk) {
-          warpgroup::wait<1>();  // dQ is ready
-          named_barrier_sync(dq_empty(consumer), DQ_HANDOFF_THREADS);  // the writer has read the last chunk
-          store_fragments(s.dq[consumer] + 16 * 64 * warp, dq);
-          warpgroup::fence_shared_to_async();
-          named_barrier_arrive(dq_full(consumer), DQ_HANDOFF_THREADS);
-        }
-        warpgroup::wait<0>();  // dK's product has read this stage's Q
-        s.stages.release(i);
+        warpgroup::wait<1>();  // dQ is ready
+        named_barrier_sync(dq_empty(chunk), DQ_HANDOFF_THREADS);  // the writer has read the last chunk
+        store_fragments(s.dq[chunk] + 16 * 64 * warp, dq);
+        warpgroup::fence_shared_to_async();
+        named_barrier_arrive(dq_full(chunk), DQ_HANDOFF_THREADS);
+      } else {
+        named_barrier_arrive(ds_ready(i), 128 * config::CONSUMERS);
+        warpgroup::mma_AB(dk, ds_16, q_tile, true);  // dK += dS^T Q
       }
+      warpgroup::wait<0>();  // dK's product has read this stage's Q
+      s.stages.release(i);
     };
-    if constexpr (D / 64 == config::CONSUMERS) sweep.template operator()<true>();
-    else if (consumer < D / 64) sweep.template operator()<true>();
-    else sweep.template operator()<false>();
+    query_walk::tile tile = walk.first();
+    for (int i = 0; i < steps; i++, walk.advance(tile)) {
+      if (!TAKE_TURNS || (i & 1) == consumer) step.template operator()<true>(i, tile.q0);
+      else step.template operator()<false>(i, tile.q0);
+    }
 
     const auto dK = gl<T>::contiguous((T*)p.dk, p.batch, p.seq_k, p.heads_kv, D);
     const auto dV = gl<T>::contiguous((T*)p.dv, p.batch, p.seq_k, p.heads_kv, D);
