@@ -79,8 +79,8 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   // consumers publish dS^T (named barrier ds_ready), then consumer c takes dQ's 64-column
   // chunk c. At D = 64 there is one chunk, and the consumers take turns: consumer i % 2
   // computes step i's, and the other only arrives at ds_ready and goes on, so both do the same
-  // work over two steps. ds_ready alternates between two barriers by step parity, so that a
-  // consumer that only arrived cannot run a whole barrier ahead of the other.
+  // work over two steps. Then ds_ready alternates between two barriers by step parity, so that
+  // a consumer that only arrived cannot run a whole barrier ahead of the other.
   // A chunk leaves through shared memory and one TMA bulk add, issued by a writer warp of the
   // producer warpgroup, so a consumer hands it over and moves on (the accumulator's layout:
   // attention.h):
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   constexpr int DQ_CHUNKS = D / 64;
   constexpr bool TAKE_TURNS = DQ_CHUNKS < config::CONSUMERS;
   static_assert(DQ_CHUNKS == config::CONSUMERS || (TAKE_TURNS && DQ_CHUNKS == 1), "one chunk each, or turns on one");
-  auto ds_ready = [](int step) { return 1 + (step & 1); };
+  auto ds_ready = [](int step) { return TAKE_TURNS ? 1 + (step & 1) : 1; };
   auto dq_empty = [](int chunk) { return 3 + chunk; };
   auto dq_full = [](int chunk) { return 3 + DQ_CHUNKS + chunk; };
   constexpr int DQ_HANDOFF_THREADS = 128 + 32;  // a consumer warpgroup and the writer warp
