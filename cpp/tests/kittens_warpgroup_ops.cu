@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(256) ring_test_kernel(const __grid_constant__ 
   auto& s = aligned_shared<ring_test_shared>(smem_raw);
   if (threadIdx.x == 0) {
     s.tile_slots.init(4);  // the consumer warpgroup's 4 warps
-    s.weight_slots.init(4, 32);  // filled by a warp's 32 lanes
+    s.weight_slots.init(128, 32);  // freed by each consumer thread, filled by a warp's 32 lanes
     tma::fence_barrier_init();
   }
   __syncthreads();
@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(256) ring_test_kernel(const __grid_constant__ 
     s.tile_slots.release(i);
     col_vec<64> w;
     load(w, s.weights[s.weight_slots.acquire(i)]);
-    s.weight_slots.release(i);
+    s.weight_slots.release_each_lane(i);  // read with plain loads
     rt_fl<16, 64> f;
     copy(f, t);
     map_cols(f, w, [](float x, float w) { return x * w; });

@@ -42,8 +42,9 @@ struct backward_shared {
   query_stages<T, D, config::STAGES> stages;
   st<T, 64, config::Q_ROWS> ds[2][config::CONSUMERS];  // dS^T per step parity and consumer: keys x queries
   // A consumer's 64-column chunk of dQ on its way out, in fragment order (kittens
-  // store_fragments: conflict-free 16-byte stores; the accumulator keeps that order).
-  alignas(128) float dq[D / 64][config::Q_ROWS * 64];
+  // store_fragments: conflict-free 16-byte stores; the accumulator keeps that order). One
+  // buffer per consumer, so that only the same threads ever write a buffer.
+  alignas(128) float dq[config::CONSUMERS][config::Q_ROWS * 64];
   struct query_stats {
     float lse2[config::Q_ROWS], delta[config::Q_ROWS];
   } stats[config::STATS_STAGES];
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   if (threadIdx.x == 0) {
     tma::init(s.kv_full, 1);
     s.stages.init(config::CONSUMERS * 4);
-    s.stats_slots.init(config::CONSUMERS * 4, 32);
+    s.stats_slots.init(config::CONSUMERS * 128, 32);  // every consumer thread reads the rows
     tma::fence_barrier_init();
   }
   __syncthreads();
@@ -114,7 +115,8 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         for (int chunk = 0; chunk < DQ_CHUNKS; chunk++) {
           named_barrier_sync(dq_full(chunk), DQ_HANDOFF_THREADS);
           if (lane0) {
-            tma::add_bulk_async(p.dq_accum + dq_chunk_offset<D>(p, b, tile, chunk), s.dq[chunk], sizeof(s.dq[0]));
+            const int producer = TAKE_TURNS ? i & 1 : chunk;  // the consumer that computed this chunk
+            tma::add_bulk_async(p.dq_accum + dq_chunk_offset<D>(p, b, tile, chunk), s.dq[producer], sizeof(s.dq[0]));
             tma::commit_group();
           }
         }
@@ -177,7 +179,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       copy(probs_16, probs);
       warpgroup::mma_AB(dv, probs_16, dout_tile, true);  // dV += P^T dO
       load(delta, rows.delta);
-      s.stats_slots.release(i);
+      s.stats_slots.release_each_lane(i);
       warpgroup::wait<1>();  // dP^T is ready (groups complete in order)
 
       map_cols(dprobs, delta, [=](float dp, float delta) { return fmaf(dp, p.scale, -delta); });
@@ -202,7 +204,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         warpgroup::mma_AB(dk, ds_16, q_tile, true);  // dK += dS^T Q
         warpgroup::wait<1>();  // dQ is ready
         named_barrier_sync(dq_empty(chunk), DQ_HANDOFF_THREADS);  // the writer has read the last chunk
-        store_fragments(s.dq[chunk] + 16 * 64 * warp, dq);
+        store_fragments(s.dq[consumer] + 16 * 64 * warp, dq);
         warpgroup::fence_shared_to_async();
         named_barrier_arrive(dq_full(chunk), DQ_HANDOFF_THREADS);
       } else {

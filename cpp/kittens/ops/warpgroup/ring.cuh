@@ -1,6 +1,6 @@
 // The producer/consumer ring: STAGES shared-memory slots that a producer fills and consumer
 // warps drain. Each slot has a "full" barrier and an "empty" barrier (one arrival per consumer
-// warp). A producer fills a slot either with TMA copies (one thread: its arrival announces the
+// warp, or per consumer thread for slots read with plain loads: see release_each_lane). A producer fills a slot either with TMA copies (one thread: its arrival announces the
 // bytes to expect and the copy engine completes the phase) or with ordinary stores (every lane
 // of a warp stores, then arrives: the arrivals release the stores to the consumers). Uses are
 // numbered i = 0, 1, 2, ... over the kernel's life: use i takes slot i % STAGES at phase
@@ -17,11 +17,12 @@ struct ring {
   tma::barrier full[STAGES], empty[STAGES];
 
   // One thread, before tma::fence_barrier_init() and the block's first __syncthreads.
-  // `fillers`: the arrivals that fill a slot (1 for copies, 32 for a warp's stores).
-  __device__ void init(int consumer_warps, int fillers = 1) {
+  // `releasers`: the arrivals that free a slot (consumer warps, or threads with
+  // release_each_lane); `fillers`: those that fill it (1 for copies, 32 for a warp's stores).
+  __device__ void init(int releasers, int fillers = 1) {
     for (int s = 0; s < STAGES; s++) {
       tma::init(full[s], fillers);
-      tma::init(empty[s], consumer_warps);
+      tma::init(empty[s], releasers);
     }
   }
   __device__ static int slot(int i) { return i % STAGES; }
@@ -49,6 +50,9 @@ struct ring {
     __syncwarp();
     if (laneid() == 0) tma::arrive(empty[i % STAGES]);
   }
+  // Release by every lane, each after its own reads: for slots read with plain loads, since an
+  // arrival releases only the arriving thread's accesses (and the producer overwrites them).
+  __device__ void release_each_lane(int i) { tma::arrive(empty[i % STAGES]); }
 };
 
 }  // namespace kittens
