@@ -187,9 +187,9 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       rt<T, 16, QT> ds_16;
       copy(ds_16, dprobs);
 
-      // dS^T is double-buffered by step parity: a buffer is rewritten two steps later, after
-      // the writing consumer's ds_ready sync of the step between, which every consumer that
-      // read the buffer for dQ reaches only once that product is done.
+      // dS^T is double-buffered by step parity: a buffer is rewritten two steps later. A
+      // consumer that read it for dQ at step i finished that product before it reached
+      // ds_ready of step i + 1, and the other consumer syncs there (it owns step i + 1).
       // dQ's product goes first after the barrier, so its rows are handed to the writer
       // while dK's product runs.
       const int buf = i & 1;
