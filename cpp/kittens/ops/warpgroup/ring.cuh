@@ -1,8 +1,9 @@
 // The producer/consumer ring: STAGES shared-memory slots that a producer fills and consumer
 // warps drain. Each slot has a "full" barrier and an "empty" barrier (one arrival per consumer
-// warp, or per consumer thread for slots read with plain loads: see release_each_lane). A producer fills a slot either with TMA copies (one thread: its arrival announces the
-// bytes to expect and the copy engine completes the phase) or with ordinary stores (every lane
-// of a warp stores, then arrives: the arrivals release the stores to the consumers). Uses are
+// warp, or per consumer thread for slots read with plain loads: see release_each_lane). A
+// producer fills a slot either with TMA copies (one thread: its arrival announces the bytes to
+// expect and the copy engine completes the phase) or with ordinary stores (every lane of a
+// warp stores, then arrives: the arrivals release the stores to the consumers). Uses are
 // numbered i = 0, 1, 2, ... over the kernel's life: use i takes slot i % STAGES at phase
 // (i / STAGES) & 1.
 // The tiles themselves live beside the ring; this holds only the synchronisation.
