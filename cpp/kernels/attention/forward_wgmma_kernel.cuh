@@ -10,11 +10,11 @@
 //   m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
 //   O = 2^(c m - c m') O + P V                  (wgmma, P from registers, V from shared)
 // with c = scale * log2(e); finally O /= l and lse = ln 2 (c m + log2 l). (m may lag the true
-// max while P stays below 2^8, which skips most rescales of O: see online_softmax_step.) The next key tile's
-// scores are issued before this tile's P V, so that one tile's softmax runs while the tensor
-// cores work on the other's product. Registers move from the producer (which needs few) to
-// the consumers with setmaxnreg. Tiles outside the causal / window band are never loaded;
-// only tiles crossing its edges or the end of the keys are masked.
+// max while P stays below 2^8, which skips most rescales of O: see online_softmax_step.) The
+// next key tile's scores are issued before this tile's P V, so that one tile's softmax runs
+// while the tensor cores work on the other's product. Registers move from the producer (which
+// needs few) to the consumers with setmaxnreg. Tiles outside the causal / window band are never
+// loaded; only tiles crossing its edges or the end of the keys are masked.
 //
 // Two grids share that code. Where the keys are many, a plain grid runs one item per block.
 // Where they are few, an item is short next to a block's start-up and write-out, so a
