@@ -120,8 +120,12 @@ __device__ __forceinline__ void store(st<T, SR, SC>& dst, const rt<U, R, C, layo
   using tile = st<T, SR, SC>;
   const uint32_t base = shared_addr(dst.data) + uint32_t(row0) * tile::swizzle_bytes;
   // Offset of (lane_row, c16 + lane_col), lane_row < 16, lane_col < 16, c16 a multiple of 16.
+  // Within a panel, the swizzle XORs a row's chunk bits with a constant of its row, and
+  // (c16 % panel_cols) * sizeof(T) sets chunk bits that lane_col * sizeof(T) leaves clear, so
+  // offset(r, c16 + c) = offset(r, c) ^ (c16 % panel_cols) * sizeof(T): a lane swizzles once
+  // and every further 16-column step is one XOR.
   auto offset = [](int lane_row, int c16, int lane_col) {
-    return tile::offset(lane_row, c16 % tile::panel_cols + lane_col) +
+    return (tile::offset(lane_row, lane_col) ^ uint32_t(c16 % tile::panel_cols) * uint32_t(sizeof(T))) +
            uint32_t(c16 / tile::panel_cols) * (SR * tile::swizzle_bytes);
   };
   if constexpr (std::is_same_v<T, U> && sizeof(T) == 2) {
