@@ -149,6 +149,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     warpgroup::increase_registers<config::CONSUMER_REGS>();
     const int consumer = warpgroup::groupid() - 1, warp = warpgroup::warp_in_group();
     const int key0 = k0 + 64 * consumer + 16 * warp;  // this warp's first key row
+    const auto masked_tile = mask_band.cuts_for_keys(QT, key0, 16);  // rows are keys, columns queries
     const float c = p.scale * LOG2E;
 
     rt_fl<16, D> dk, dv;
@@ -172,8 +173,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       warpgroup::mma_ABt(probs, s.k[consumer], q_tile, false);
       warpgroup::mma_ABt(dprobs, s.v[consumer], dout_tile, false);
       warpgroup::wait<1>();  // S^T is ready
-      if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
-        mask_band.mask<true>(probs, q0, key0);
+      if (masked_tile.cuts(q0)) mask_band.mask<true>(probs, q0, key0);
       map_cols(probs, lse2, [=](float x, float lse2) { return fast_exp2(c * x - lse2); });
       rt<T, 16, QT> probs_16;
       copy(probs_16, probs);

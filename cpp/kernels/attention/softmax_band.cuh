@@ -54,6 +54,19 @@ struct band {
     return k0 + nk > seq_k || (window_right >= 0 && k0 + nk - 1 > q0 + offset() + window_right) ||
            (window_left >= 0 && k0 < q0 + nq - 1 + offset() - window_left);
   }
+  // cuts() for fixed keys [k0, k0 + nk) and query tiles of nq rows, as two thresholds on q0
+  // worked out once: the tile at q0 needs masks exactly when q0 < below or q0 > above.
+  struct query_thresholds {
+    int below, above;
+    __device__ bool cuts(int q0) const { return q0 < below || q0 > above; }
+  };
+  __device__ query_thresholds cuts_for_keys(int nq, int k0, int nk) const {
+    constexpr int never_below = -(1 << 30), never_above = 1 << 30;
+    int below = window_right >= 0 ? k0 + nk - 1 - offset() - window_right : never_below;
+    if (k0 + nk > seq_k) below = never_above;  // keys past the end: every tile is masked
+    const int above = window_left >= 0 ? k0 - nq + 1 - offset() + window_left : never_above;
+    return {below, above};
+  }
 };
 
 // How far (in log2 units) a row's running max may stay below its true max before the output
