@@ -76,6 +76,8 @@ constexpr float STALE_MAX_LOG2 = 8.f;
 
 // One key tile of the online softmax for a warp's 16 rows, with c = scale * log2(e):
 //   m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
+// where each lane keeps l over its own columns only (store_output sums the row's four lanes),
+// so the sum costs no shuffles per tile.
 // `scores` becomes P, and `rescale` = 2^(c m - c m') is what the output accumulated so far must
 // be multiplied by (left to the caller, whose O may still be in flight in a wgmma). A row that
 // has seen no key yet keeps max -inf: 0 stands in for it so that 2^(-inf - 0) = 0 instead of
@@ -86,7 +88,7 @@ constexpr float STALE_MAX_LOG2 = 8.f;
 template <int KV>
 __device__ __forceinline__ bool online_softmax_step(rt_fl<16, KV>& scores, row_vec<16>& m, row_vec<16>& l,
                                                     row_vec<16>& rescale, float c) {
-  row_vec<16> m_new, tile_sum;
+  row_vec<16> m_new;
   row_max(m_new, scores);
   map(m_new, m_new, m, [](float a, float b) { return fmaxf(a, b); });
   bool grows = false;  // a row with no key yet (m = -inf) always counts as growing
@@ -100,16 +102,17 @@ __device__ __forceinline__ bool online_softmax_step(rt_fl<16, KV>& scores, row_v
     m = m_new;
   }
   map_rows(scores, m, [=](float x, float mx) { return fast_exp2(c * x - c * mx); });
-  row_sum(tile_sum, scores);
-  map(l, l, tile_sum, [](float a, float b) { return a + b; });
+  row_reduce(l, scores, sum_op{}, /*accumulate=*/true, /*across_lanes=*/false);
   return rescaled;
 }
 
 // O /= l, written to p.o, and lse = ln 2 (c m + log2 l) to p.lse, for the warp's 16 rows from
-// row0 (rows past seq_q are skipped). Rows that saw no key get O = 0 and lse = -inf.
+// row0 (rows past seq_q are skipped). Rows that saw no key get O = 0 and lse = -inf. `l` holds
+// each lane's partial row sums (online_softmax_step); they are summed across the row here.
 template <typename T, int D>
-__device__ __forceinline__ void store_output(rt_fl<16, D>& o, const row_vec<16>& m, const row_vec<16>& l, float c,
+__device__ __forceinline__ void store_output(rt_fl<16, D>& o, const row_vec<16>& m, row_vec<16> l, float c,
                                              const ForwardParams& p, int b, int h, int row0) {
+  reduce_across_lanes(l, sum_op{});
   row_vec<16> inv_l;
   map(inv_l, l, l, [](float x, float) { return x > 0.f ? 1.f / x : 0.f; });
   mul_row(o, inv_l);

@@ -84,9 +84,23 @@ __device__ __forceinline__ void copy(rt<U, R, C, layout::row>& dst, const rt<V, 
 
 // Row reductions: v[row] = reduce over the row's columns (combined with v's old value when
 // `accumulate`). A lane holds 2 columns of each 8-column group; the 4 lanes of a row share
-// g = lane / 4, so two xor-shuffles over lane bits 0 and 1 finish the reduction.
+// g = lane / 4, so two xor-shuffles over lane bits 0 and 1 finish the reduction. With
+// `across_lanes` false a lane keeps its own partial result (reduce_across_lanes finishes it
+// later: a running sum then needs the shuffles once, not at every step).
+template <int R, typename Op>
+__device__ __forceinline__ void reduce_across_lanes(row_vec<R>& v, Op op) {
+#pragma unroll
+  for (int i = 0; i < R / 16; i++)
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      float acc = v.data[i][h];
+      acc = op(acc, __shfl_xor_sync(0xffffffff, acc, 1));
+      v.data[i][h] = op(acc, __shfl_xor_sync(0xffffffff, acc, 2));
+    }
+}
 template <int R, int C, typename Op>
-__device__ __forceinline__ void row_reduce(row_vec<R>& v, const rt_fl<R, C>& t, Op op, bool accumulate) {
+__device__ __forceinline__ void row_reduce(row_vec<R>& v, const rt_fl<R, C>& t, Op op, bool accumulate,
+                                           bool across_lanes = true) {
 #pragma unroll
   for (int i = 0; i < t.height; i++)
 #pragma unroll
@@ -98,8 +112,10 @@ __device__ __forceinline__ void row_reduce(row_vec<R>& v, const rt_fl<R, C>& t, 
         acc = op(acc, op(t.tiles[i][j].data[h].x, t.tiles[i][j].data[h].y));
         acc = op(acc, op(t.tiles[i][j].data[h + 2].x, t.tiles[i][j].data[h + 2].y));
       }
-      acc = op(acc, __shfl_xor_sync(0xffffffff, acc, 1));
-      acc = op(acc, __shfl_xor_sync(0xffffffff, acc, 2));
+      if (across_lanes) {
+        acc = op(acc, __shfl_xor_sync(0xffffffff, acc, 1));
+        acc = op(acc, __shfl_xor_sync(0xffffffff, acc, 2));
+      }
       v.data[i][h] = accumulate ? op(v.data[i][h], acc) : acc;
     }
 }
