@@ -127,6 +127,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
   const bool p_role = warpgroup::groupid() == 1;
   const int warp = warpgroup::warp_in_group();
   const int key0 = k0 + 16 * warp;  // this warp's first key row (in both roles)
+  const auto masked_tile = mask_band.cuts_for_keys(QT, key0, 16);  // rows are keys, columns queries
   const auto dq_accum = gl<float>::contiguous(p.dq_accum, p.batch, p.seq_q, p.heads_q, D);
   rt_fl<16, D> grad;  // dV in the P role, dK in the dS role
   zero(grad);
@@ -147,8 +148,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       col_vec<QT> lse2;
       load(lse2, p.lse + stats_offset(p, b, tile));
       warpgroup::wait<0>();
-      if (mask_band.cuts(q0, QT, key0, 16))  // rows are keys, columns queries
-        mask_band.mask<true>(probs, q0, key0);
+      if (masked_tile.cuts(q0)) mask_band.mask<true>(probs, q0, key0);
       map_cols(probs, lse2, [=](float x, float lse2) { return fast_exp2(c * x - lse2); });
       rt<T, 16, QT> probs_16;
       copy(probs_16, probs);

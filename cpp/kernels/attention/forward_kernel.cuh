@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_const
   const int h = blockIdx.y, b = blockIdx.z;
   const int kv_h = h / (p.heads_q / p.heads_kv);
   const int q0 = q_block * FWD_Q_ROWS;
-  const int warp = warpid();
+  const int warp = warpid(), row0 = q0 + 16 * warp;  // this warp's first query row
 
   const auto Q = gl<T>::contiguous((T*)p.q, p.batch, p.seq_q, p.heads_q, D);
   const auto K = gl<T>::contiguous((T*)p.k, p.batch, p.seq_k, p.heads_kv, D);
@@ -50,6 +50,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_const
   const key_range keys = mask_band.keys_of(q0, min(q0 + FWD_Q_ROWS, p.seq_q) - 1);
   const int first_tile = keys.lo / FWD_KV_ROWS;
   const int end_tile = keys.hi > keys.lo ? (keys.hi + FWD_KV_ROWS - 1) / FWD_KV_ROWS : first_tile;
+  const auto masked_tile = mask_band.cuts_for_queries(row0, 16, FWD_KV_ROWS);  // which key tiles need masks
 
   rt<T, 16, D> q;        // this warp's 16 query rows
   rt_fl<16, D> o;        // running numerator
@@ -87,9 +88,8 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_const
       mma_ABt(scores, q.template col_slice<16>(d), k, scores);
     }
 
-    const int k0 = tile * FWD_KV_ROWS, row0 = q0 + 16 * warp;
-    if (mask_band.cuts(row0, 16, k0, FWD_KV_ROWS))
-      mask_band.mask(scores, row0, k0);
+    const int k0 = tile * FWD_KV_ROWS;
+    if (masked_tile.cuts(k0)) mask_band.mask(scores, row0, k0);
     row_vec<16> rescale;
     if (online_softmax_step(scores, m, l, rescale, c)) mul_row(o, rescale);
 
@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_const
   }
   cp_async_wait<0>();
 
-  store_output<T, D>(o, m, l, c, p, b, h, q0 + 16 * warp);
+  store_output<T, D>(o, m, l, c, p, b, h, row0);
 }
 
 template <typename T, int D>

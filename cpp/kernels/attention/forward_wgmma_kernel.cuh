@@ -129,6 +129,7 @@ __device__ __forceinline__ void attend_item(wgmma_forward_shared<T, D, C>& s, co
   const int row0 = w.q0 + 64 * consumer + 16 * warpgroup::warp_in_group();  // this warp's first row
   const float c = p.scale * LOG2E;
   const int tiles = w.tiles();
+  const auto masked_tile = mask_band.cuts_for_queries(row0, 16, KV);  // which key tiles need masks
 
   rt_fl<16, D> o;
   row_vec<16> m, l;
@@ -147,8 +148,7 @@ __device__ __forceinline__ void attend_item(wgmma_forward_shared<T, D, C>& s, co
   auto softmax_of = [&](int i) {  // S_i has landed: release K_i, then scores -> P_i
     s.k_ring.release(kv_use + i);
     const int k0 = (w.first_tile + i) * KV;
-    if (mask_band.cuts(row0, 16, k0, KV))
-      mask_band.mask(scores, row0, k0);
+    if (masked_tile.cuts(k0)) mask_band.mask(scores, row0, k0);
     return online_softmax_step(scores, m, l, rescale, c);  // whether O needs the rescale
   };
   auto add_pv = [&](int i, const rt<T, 16, KV>& probs) {  // O += P_i V_i, issued asynchronously

@@ -48,24 +48,28 @@ struct band {
     else  // col - row = j - i
       mask_band(scores, lo, hi, unbounded, seq_k - k0);
   }
-  // Whether some pair of queries [q0, q0 + nq) x keys [k0, k0 + nk) is invisible, so the
-  // tile needs element masks (tiles wholly outside the band are never visited).
-  __device__ bool cuts(int q0, int nq, int k0, int nk) const {
-    return k0 + nk > seq_k || (window_right >= 0 && k0 + nk - 1 > q0 + offset() + window_right) ||
-           (window_left >= 0 && k0 < q0 + nq - 1 + offset() - window_left);
-  }
-  // cuts() for fixed keys [k0, k0 + nk) and query tiles of nq rows, as two thresholds on q0
-  // worked out once: the tile at q0 needs masks exactly when q0 < below or q0 > above.
-  struct query_thresholds {
+  // A tile of queries [q0, q0 + nq) x keys [k0, k0 + nk) needs element masks when some pair in it
+  // is invisible (tiles wholly outside the band are never visited), that is when
+  //   k0 + nk > seq_k,  or  k0 + nk - 1 > q0 + offset + window_right,
+  //   or  k0 < q0 + nq - 1 + offset - window_left.
+  // A kernel fixes one side of its tiles (a warp's queries, or its keys) and walks the other, so
+  // the test becomes two thresholds on the walked side's first position x, worked out once: the
+  // tile at x needs masks exactly when x < below or x > above.
+  struct cut_thresholds {
     int below, above;
-    __device__ bool cuts(int q0) const { return q0 < below || q0 > above; }
+    __device__ bool cuts(int x) const { return x < below || x > above; }
   };
-  __device__ query_thresholds cuts_for_keys(int nq, int k0, int nk) const {
-    constexpr int never_below = -(1 << 30), never_above = 1 << 30;
-    int below = window_right >= 0 ? k0 + nk - 1 - offset() - window_right : never_below;
-    if (k0 + nk > seq_k) below = never_above;  // keys past the end: every tile is masked
-    const int above = window_left >= 0 ? k0 - nq + 1 - offset() + window_left : never_above;
-    return {below, above};
+  static constexpr int NEVER = 1 << 30;
+  // Keys [k0, k0 + nk) fixed, thresholds on the first query q0 of a tile of nq.
+  __device__ cut_thresholds cuts_for_keys(int nq, int k0, int nk) const {
+    if (k0 + nk > seq_k) return {NEVER, NEVER};  // keys past the end: every tile is masked
+    return {window_right >= 0 ? k0 + nk - 1 - offset() - window_right : -NEVER,
+            window_left >= 0 ? k0 - nq + 1 - offset() + window_left : NEVER};
+  }
+  // Queries [q0, q0 + nq) fixed, thresholds on the first key k0 of a tile of nk.
+  __device__ cut_thresholds cuts_for_queries(int q0, int nq, int nk) const {
+    return {window_left >= 0 ? q0 + nq - 1 + offset() - window_left : -NEVER,
+            window_right >= 0 ? min(seq_k - nk, q0 + offset() + window_right - nk + 1) : seq_k - nk};
   }
 };
 
