@@ -26,10 +26,12 @@ for d in (64, 128, 256) if "attention" in which else ():
         o, lse = _kernels.attention_fwd(q, k, v, variant=variant, **kw)
     jax.block_until_ready(_kernels.attention_bwd(q, k, v, o, lse, jnp.ones_like(o), **kw))
     jax.block_until_ready((o, lse))
-    # Unmasked, the D=64 forward runs three consumer warpgroups; more than 4096 keys take the
-    # forward's plain grid (the cases above run its persistent grid).
+    # Unmasked, the D=64 forward runs three consumer warpgroups and the backward has no masked
+    # tile but the key tail; more than 4096 keys take the forward's plain grid (the cases above
+    # run its persistent grid).
     full = dict(kw, window_right=-1)
-    jax.block_until_ready(_kernels.attention_fwd(q, k, v, variant="wgmma", **full))
+    o_full, lse_full = _kernels.attention_fwd(q, k, v, variant="wgmma", **full)
+    jax.block_until_ready(_kernels.attention_bwd(q, k, v, o_full, lse_full, jnp.ones_like(o_full), **full))
     k_long, v_long = (jnp.asarray(rng.standard_normal((1, 4100, 2, d)), jnp.bfloat16) for _ in range(2))
     for kw_long in (kw, full):
         jax.block_until_ready(_kernels.attention_fwd(q[:, :70], k_long, v_long, variant="wgmma", **kw_long))

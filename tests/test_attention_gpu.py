@@ -158,6 +158,7 @@ def test_kernel_path_under_jit_vmap_grad(hopper, rng):
         (300, 65, 8, 2, True, (-1, -1)),      # Tq > Tk: rows that see no key
         (65, 300, 4, 2, True, (-1, -1)),      # Tq < Tk, bottom-right causal
         (257, 257, 4, 2, False, (31, 17)),    # sliding window
+        (161, 300, 8, 2, False, (-1, -1)),    # unmasked GQA, Tq < Tk, a ragged last query tile
         (2049, 2049, 2, 2, False, (-1, -1)),
     ],
 )
