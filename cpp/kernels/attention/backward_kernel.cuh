@@ -29,8 +29,12 @@ struct backward_config {
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   static constexpr int KV_ROWS = 64 * CONSUMERS;
   static constexpr int Q_ROWS = BACKWARD_Q_TILE;
-  static constexpr int STAGES = 2;
-  static constexpr int STATS_STAGES = 4;  // 512 bytes each: the stats warp may run this far ahead
+  // Q/dO stages. A stage is freed only once its step's last product (dK += dS^T Q) has read it,
+  // so with two the next load had one step's time to land, and consumers waited for it (5% of
+  // the D=128 kernel's stall samples, s15-8). Three fit beside three stats slots at D = 128:
+  // 227 KB exactly.
+  static constexpr int STAGES = 3;
+  static constexpr int STATS_STAGES = 3;  // 512 bytes each: the stats warp may run this far ahead
   static constexpr int PRODUCER_REGS = 24;
   static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, CONSUMERS);  // 240
 };
@@ -49,6 +53,7 @@ struct backward_shared {
     float lse2[config::Q_ROWS], delta[config::Q_ROWS];
   } stats[config::STATS_STAGES];
   ring<config::STATS_STAGES> stats_slots;
+  ring<config::STAGES> stage_slots;  // the stages' barriers
   tma::barrier kv_full;
 };
 
@@ -70,7 +75,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
 
   if (threadIdx.x == 0) {
     tma::init(s.kv_full, 1);
-    s.stages.init(config::CONSUMERS * 4);
+    s.stage_slots.init(config::CONSUMERS * 4);
     s.stats_slots.init(config::CONSUMERS * 128, 32);  // every consumer thread reads the rows
     tma::fence_barrier_init();
   }
@@ -104,7 +109,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         tma::load_async(&s.k[c], args.k, s.kv_full, 0, k0 + 64 * c, 0, kv_h, b);
         tma::load_async(&s.v[c], args.v, s.kv_full, 0, k0 + 64 * c, 0, kv_h, b);
       }
-      s.stages.produce(walk, args.q, args.dout, b);
+      s.stages.produce(s.stage_slots, walk, args.q, args.dout, b);
     } else if (warp == 1 && steps > 0) {  // dQ writer
       const bool lane0 = laneid() == 0;
 #pragma unroll
@@ -163,7 +168,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       const auto& rows = s.stats[s.stats_slots.acquire(i)];
       col_vec<QT> lse2, delta;
       load(lse2, rows.lse2);
-      const int stage = s.stages.acquire(i);
+      const int stage = s.stage_slots.acquire(i);
       const auto& q_tile = s.stages.q[stage];
       const auto& dout_tile = s.stages.dout[stage];
 
@@ -213,7 +218,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
         warpgroup::mma_AB(dk, ds_16, q_tile, true);  // dK += dS^T Q
       }
       warpgroup::wait<0>();  // dK's product has read this stage's Q
-      s.stages.release(i);
+      s.stage_slots.release(i);
     };
     query_walk::tile tile = walk.first();
     for (int i = 0; i < steps; i++, walk.advance(tile)) {
@@ -235,7 +240,8 @@ cudaError_t launch_backward(const BackwardParams& p, cudaStream_t stream) {
   // One (batch, KV head) pair per group: interleaving pairs (as the split kernel does) lost
   // 2-9% here at D = 64 and was neutral at D = 128 (bench/NOTES.md, s10-7).
   if (cudaError_t err = prepare_backward<T, D>(args, p, 64, 0, stream); err != cudaSuccess) return err;
-  const int smem = int(sizeof(backward_shared<T, D>)) + 1024;
+  constexpr int smem = int(sizeof(backward_shared<T, D>)) + 1024;
+  static_assert(smem <= 227 * 1024, "the backward's shared memory exceeds the H100's 227 KB");
   const dim3 grid((p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS, p.heads_kv, p.batch);
   return launch_with_shared<backward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);
 }

@@ -51,6 +51,7 @@ struct split_backward_shared {
   // The partner block's dQ contribution to the chunk each role owns here, 64 x 32 at a time, one
   // mailbox per role (16 KB: the block's shared memory is then at the 227 KB limit).
   cluster::mailbox<16, 32, 1> dq_mail[2];
+  ring<config::STAGES> stage_slots;  // the stages' barriers
   tma::barrier kv_full;
 };
 
@@ -104,7 +105,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
 
   if (threadIdx.x == 0) {
     tma::init(s.kv_full, 1);
-    s.stages.init(config::CONSUMER_WARPS);
+    s.stage_slots.init(config::CONSUMER_WARPS);
     s.dq_mail[0].init();
     s.dq_mail[1].init();
     tma::fence_barrier_init();
@@ -117,7 +118,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       tma::expect_bytes(s.kv_full, sizeof(s.k) + sizeof(s.v));
       tma::load_async(&s.k, args.k, s.kv_full, 0, k0, 0, kv_h, b);
       tma::load_async(&s.v, args.v, s.kv_full, 0, k0, 0, kv_h, b);
-      s.stages.produce(walk, args.q, args.dout, b);
+      s.stages.produce(s.stage_slots, walk, args.q, args.dout, b);
     }
     cluster::sync();  // matches the consumers' final sync
     return;
@@ -136,7 +137,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
   query_walk::tile tile = walk.first();
   for (int i = 0; i < walk.steps; i++, walk.advance(tile)) {
     const int h = tile.head, q0 = tile.q0, buf = i & 1;
-    const int stage = s.stages.acquire(i);
+    const int stage = s.stage_slots.acquire(i);
     const auto& q_tile = s.stages.q[stage];
     const auto& dout_tile = s.stages.dout[stage];
 
@@ -180,7 +181,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       add_dq_half(dq_accum, s.ds[buf], s.k, D / 2, {b, h, q0 + 16 * warp}, s.dq_mail[1], rank, i);
     }
     warpgroup::wait<0>();  // this role's gradient product has read the stage
-    s.stages.release(i);
+    s.stage_slots.release(i);
   }
 
   T* out = (T*)(p_role ? p.dv : p.dk);

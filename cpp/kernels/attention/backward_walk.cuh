@@ -87,15 +87,17 @@ struct query_walk {
   }
 };
 
-// The Q and dO tiles of each step, STAGES at a time, through a ring (one use per step).
+// The Q and dO tiles of each step, STAGES at a time, through a ring (one use per step). The
+// ring's barriers are a member of the kernel's shared memory apart from the tiles, so that the
+// tiles' 1024-byte alignment pads nothing after them. Consumers acquire step i's tiles from the
+// ring and release them once the step's last product has read them.
 template <typename T, int D, int STAGES>
 struct query_stages {
   st<T, BACKWARD_Q_TILE, D> q[STAGES], dout[STAGES];
-  ring<STAGES> slots;
 
-  __device__ void init(int consumer_warps) { slots.init(consumer_warps); }
   // One thread of the producer issues every copy of the walk.
-  __device__ void produce(const query_walk& walk, const CUtensorMap& q_map, const CUtensorMap& dout_map, int b) {
+  __device__ void produce(ring<STAGES>& slots, const query_walk& walk, const CUtensorMap& q_map,
+                          const CUtensorMap& dout_map, int b) {
     query_walk::tile t = walk.first();
     for (int i = 0; i < walk.steps; i++, walk.advance(t)) {
       const int stage = slots.slot(i);
@@ -104,9 +106,6 @@ struct query_stages {
       tma::load_async(&dout[stage], dout_map, full, 0, t.q0, 0, t.head, b);
     }
   }
-  // Consumers: wait for step i's tiles; release them once the step's last product has read them.
-  __device__ int acquire(int i) { return slots.acquire(i); }
-  __device__ void release(int i) { slots.release(i); }
 };
 
 // Where a query tile's rows start in the lse and delta arrays ([batch, heads_q, seq_q_padded]).
