@@ -87,16 +87,17 @@ __device__ __forceinline__ void copy(rt<U, R, C, layout::row>& dst, const rt<V, 
 // g = lane / 4, so two xor-shuffles over lane bits 0 and 1 finish the reduction. With
 // `across_lanes` false a lane keeps its own partial result (reduce_across_lanes finishes it
 // later: a running sum then needs the shuffles once, not at every step).
+template <typename Op>
+__device__ __forceinline__ float reduce_quad(float x, Op op) {  // op over the row's four lanes
+  x = op(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return op(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
 template <int R, typename Op>
 __device__ __forceinline__ void reduce_across_lanes(row_vec<R>& v, Op op) {
 #pragma unroll
   for (int i = 0; i < R / 16; i++)
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-      float acc = v.data[i][h];
-      acc = op(acc, __shfl_xor_sync(0xffffffff, acc, 1));
-      v.data[i][h] = op(acc, __shfl_xor_sync(0xffffffff, acc, 2));
-    }
+    for (int h = 0; h < 2; h++) v.data[i][h] = reduce_quad(v.data[i][h], op);
 }
 template <int R, int C, typename Op>
 __device__ __forceinline__ void row_reduce(row_vec<R>& v, const rt_fl<R, C>& t, Op op, bool accumulate,
@@ -112,10 +113,7 @@ __device__ __forceinline__ void row_reduce(row_vec<R>& v, const rt_fl<R, C>& t, 
         acc = op(acc, op(t.tiles[i][j].data[h].x, t.tiles[i][j].data[h].y));
         acc = op(acc, op(t.tiles[i][j].data[h + 2].x, t.tiles[i][j].data[h + 2].y));
       }
-      if (across_lanes) {
-        acc = op(acc, __shfl_xor_sync(0xffffffff, acc, 1));
-        acc = op(acc, __shfl_xor_sync(0xffffffff, acc, 2));
-      }
+      if (across_lanes) acc = reduce_quad(acc, op);
       v.data[i][h] = accumulate ? op(v.data[i][h], acc) : acc;
     }
 }
