@@ -86,7 +86,9 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   // chunk c. At D = 64 there is one chunk, and the consumers take turns: consumer i % 2
   // computes step i's, and the other only arrives at ds_ready and goes on, so both do the same
   // work over two steps. Then ds_ready alternates between two barriers by step parity, so that
-  // a consumer that only arrived cannot run a whole barrier ahead of the other.
+  // a consumer that only arrived cannot run a whole barrier ahead of the other. The product
+  // over a consumer's own 64 keys needs only its own warps' dS^T (barrier own_ds_ready), so it
+  // starts before ds_ready: a consumer that is ahead waits there with work in flight.
   // A chunk leaves through shared memory and one TMA bulk add, issued by a writer warp of the
   // producer warpgroup, so a consumer hands it over and moves on (the accumulator's layout:
   // attention.h):
@@ -98,6 +100,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   auto ds_ready = [](int step) { return TAKE_TURNS ? 1 + (step & 1) : 1; };
   auto dq_empty = [](int chunk) { return 3 + chunk; };
   auto dq_full = [](int chunk) { return 3 + DQ_CHUNKS + chunk; };
+  auto own_ds_ready = [](int consumer) { return 3 + 2 * DQ_CHUNKS + consumer; };  // one warpgroup's dS^T
   constexpr int DQ_HANDOFF_THREADS = 128 + 32;  // a consumer warpgroup and the writer warp
 
   if (warpgroup::groupid() == 0) {  // ---------------- producer ----------------
@@ -195,18 +198,20 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       // dS^T is double-buffered by step parity: a buffer is rewritten two steps later. A
       // consumer that read it for dQ at step i finished that product before it reached
       // ds_ready of step i + 1, and the other consumer syncs there (it owns step i + 1).
-      // dQ's product goes first after the barrier, so its rows are handed to the writer
-      // while dK's product runs.
+      // dQ's product over this consumer's own keys needs only its own warps' dS^T, so it is
+      // issued before the barrier; the other consumer's half follows it, then dK's product,
+      // so dQ's rows are handed to the writer while dK's runs.
       const int buf = i & 1;
       store(s.ds[buf][consumer], ds_16, 16 * warp, 0);
       warpgroup::fence_shared_to_async();
       if constexpr (has_chunk) {
-        named_barrier_sync(ds_ready(i), 128 * config::CONSUMERS);
-        const int chunk = TAKE_TURNS ? 0 : consumer;
+        static_assert(config::CONSUMERS == 2, "own half, then the other's");
+        const int chunk = TAKE_TURNS ? 0 : consumer, other = 1 - consumer;
         rt_fl<16, 64> dq;
-#pragma unroll
-        for (int half = 0; half < config::CONSUMERS; half++)
-          warpgroup::mma_AtB(dq, s.ds[buf][half], s.k[half], 64 * chunk, half > 0);
+        named_barrier_sync(own_ds_ready(consumer), 128);
+        warpgroup::mma_AtB(dq, s.ds[buf][consumer], s.k[consumer], 64 * chunk, false);
+        named_barrier_sync(ds_ready(i), 128 * config::CONSUMERS);
+        warpgroup::mma_AtB(dq, s.ds[buf][other], s.k[other], 64 * chunk, true);
         warpgroup::mma_AB(dk, ds_16, q_tile, true);  // dK += dS^T Q
         warpgroup::wait<1>();  // dQ is ready
         named_barrier_sync(dq_empty(chunk), DQ_HANDOFF_THREADS);  // the writer has read the last chunk
