@@ -101,6 +101,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   auto dq_empty = [](int chunk) { return 3 + chunk; };
   auto dq_full = [](int chunk) { return 3 + DQ_CHUNKS + chunk; };
   auto own_ds_ready = [](int consumer) { return 3 + 2 * DQ_CHUNKS + consumer; };  // one warpgroup's dS^T
+  static_assert(3 + 2 * DQ_CHUNKS + config::CONSUMERS <= 16, "the 16 named barriers run out");
   constexpr int DQ_HANDOFF_THREADS = 128 + 32;  // a consumer warpgroup and the writer warp
 
   if (warpgroup::groupid() == 0) {  // ---------------- producer ----------------
