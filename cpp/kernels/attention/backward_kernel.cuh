@@ -97,6 +97,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   constexpr int DQ_CHUNKS = D / 64;
   constexpr bool TAKE_TURNS = DQ_CHUNKS < config::CONSUMERS;
   static_assert(DQ_CHUNKS == config::CONSUMERS || (TAKE_TURNS && DQ_CHUNKS == 1), "one chunk each, or turns on one");
+  static_assert(config::CONSUMERS == 2, "a dQ chunk is the consumer's own half, then the other's");
   auto ds_ready = [](int step) { return TAKE_TURNS ? 1 + (step & 1) : 1; };
   auto dq_empty = [](int chunk) { return 3 + chunk; };
   auto dq_full = [](int chunk) { return 3 + DQ_CHUNKS + chunk; };
@@ -206,7 +207,6 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       store(s.ds[buf][consumer], ds_16, 16 * warp, 0);
       warpgroup::fence_shared_to_async();
       if constexpr (has_chunk) {
-        static_assert(config::CONSUMERS == 2, "own half, then the other's");
         const int chunk = TAKE_TURNS ? 0 : consumer, other = 1 - consumer;
         rt_fl<16, 64> dq;
         named_barrier_sync(own_ds_ready(consumer), 128);
