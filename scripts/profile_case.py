@@ -1,0 +1,37 @@
+"""One attention kernel call of a bench grid shape, after warm-up, for a profiler such as ncu:
+
+    ncu -k regex:backward --launch-skip 2 -c 1 python3 scripts/profile_case.py --d 256 --t 4k
+
+The shape follows the bench grid (B * T = 16384 tokens, Hq * D = 2048); random bf16 inputs.
+`--pass fwd` profiles the forward kernel, `bwd` (the default) the backward's. Warm-up runs
+the same call twice first, so skip those launches (`--launch-skip 2` above)."""
+import argparse
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tk_jax import _ext, _kernels
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--d", type=int, default=128)
+parser.add_argument("--t", default="4k", help="sequence length, e.g. 4096 or 4k")
+parser.add_argument("--causal", action="store_true")
+parser.add_argument("--pass", dest="which", choices=["fwd", "bwd"], default="bwd")
+args = parser.parse_args()
+
+ok, why = _ext.kernels_available()
+assert ok, why
+t = int(args.t[:-1]) * 1024 if args.t.lower().endswith("k") else int(args.t)
+batch, heads = max(1, 16384 // t), 2048 // args.d
+rng = np.random.default_rng()
+q, k, v, dout = (jnp.asarray(rng.standard_normal((batch, t, heads, args.d)), jnp.bfloat16) for _ in range(4))
+kw = dict(scale=1 / math.sqrt(args.d), window_left=-1, window_right=0 if args.causal else -1)
+o, lse = _kernels.attention_fwd(q, k, v, variant="wgmma", **kw)
+for _ in range(2 if args.which == "fwd" else 3):  # two warm-up calls (with the one above), then the profiled one
+    if args.which == "fwd":
+        jax.block_until_ready(_kernels.attention_fwd(q, k, v, variant="wgmma", **kw))
+    else:
+        jax.block_until_ready(_kernels.attention_bwd(q, k, v, o, lse, dout, **kw))
+print(f"profiled: {args.which} D={args.d} T={t} B={batch} H={heads} causal={args.causal}")
