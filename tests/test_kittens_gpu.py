@@ -109,9 +109,10 @@ def test_fp32_shared_tiles_bulk_store_and_add(kernels, rng):
 
 
 def test_fragment_order_bulk_add(kernels, rng):
-    """Four warps stage a 64 x 64 fp32 register tile in their register order (store_fragments)
-    and one thread adds it twice with 1-D bulk reductions; put back in row order by the
-    permutation the attention backward's dQ goes through, the sum must be 2 x."""
+    """Four warps stage a 64 x 64 fp32 register tile in their register order (store_fragments),
+    one thread adds it twice with 1-D bulk reductions, and the warps add it once more from
+    their registers (atomic_add_fragments); put back in row order by the permutation the
+    attention backward's dQ goes through, the sum must be 3 x."""
     from tk_jax._kernels import dq_from_fragment_order
 
     base = rng.standard_normal(64 * 64).astype(np.float32)
@@ -120,7 +121,7 @@ def test_fragment_order_bulk_add(kernels, rng):
                 jnp.asarray(x))
     added = (np.asarray(out, np.float64) - base).astype(np.float32).reshape(1, 1, 1, 1, 64 * 64)
     rows = np.asarray(dq_from_fragment_order(jnp.asarray(added)))[0, :, 0, :]
-    np.testing.assert_allclose(rows, 2 * x, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(rows, 3 * x, rtol=1e-5, atol=1e-5)
 
 
 def test_cluster_mailbox(kernels, rng):

@@ -61,9 +61,8 @@ def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: 
     lse = jnp.pad(lse, ((0, 0), (0, 0), (0, pad)), constant_values=jnp.inf)
     delta = jnp.pad(delta, ((0, 0), (0, 0), (0, pad)))
     batch, _, heads_q, head_dim = q.shape
-    fragment_order = head_dim <= 128  # the accumulator's layout (cpp: dq_accum_floats)
-    tiles = (seq_q + pad) // BACKWARD_Q_TILE
-    dq_shape = (batch, heads_q, tiles, head_dim // 64, BACKWARD_Q_TILE * 64) if fragment_order else q.shape
+    tiles = (seq_q + pad) // BACKWARD_Q_TILE  # the accumulator's layout (cpp: dq_accum_floats)
+    dq_shape = (batch, heads_q, tiles, head_dim // 64, BACKWARD_Q_TILE * 64)
     out_types = (
         jax.ShapeDtypeStruct(dq_shape, jnp.float32),
         jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -72,8 +71,7 @@ def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: 
     call = jax.ffi.ffi_call("tk_attention_bwd", out_types, vmap_method="broadcast_all")
     dq, dk, dv = call(q, k, v, do.astype(q.dtype), lse, delta, scale=np.float32(scale),
                       window_left=np.int64(window_left), window_right=np.int64(window_right))
-    if fragment_order:
-        dq = dq_from_fragment_order(dq)[:, :seq_q]
+    dq = dq_from_fragment_order(dq)[:, :seq_q]
     return dq.astype(q.dtype), dk, dv
 
 

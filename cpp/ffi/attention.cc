@@ -111,14 +111,10 @@ ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   {  // the accumulator's layout (tk::attention::dq_accum_floats)
     const auto ad = dq_accum->dimensions();
     const int64_t dim = qd[r - 1];
-    if (tk::attention::dq_in_fragment_order(int(dim))) {
-      bool ok = ad.size() == r + 1 && ad[r - 3] == qd[r - 2] && ad[r - 2] == padded / tk::attention::BACKWARD_Q_TILE &&
-                ad[r - 1] == dim / 64 && ad[r] == tk::attention::BACKWARD_Q_TILE * 64;
-      for (size_t i = 0; ok && i + 3 < r; i++) ok = ad[i] == qd[i];
-      if (!ok) return invalid_bwd("dq_accum must be [..., heads_q, seq_q rounded up to 64 / 64, head_dim / 64, 4096]");
-    } else if (!same_dims(ad, qd)) {
-      return invalid_bwd("dq_accum must have q's shape at head_dim 256");
-    }
+    bool ok = ad.size() == r + 1 && ad[r - 3] == qd[r - 2] && ad[r - 2] == padded / tk::attention::BACKWARD_Q_TILE &&
+              ad[r - 1] == dim / 64 && ad[r] == tk::attention::BACKWARD_Q_TILE * 64;
+    for (size_t i = 0; ok && i + 3 < r; i++) ok = ad[i] == qd[i];
+    if (!ok) return invalid_bwd("dq_accum must be [..., heads_q, seq_q rounded up to 64 / 64, head_dim / 64, 4096]");
   }
   const int64_t batch = leading_product(qd, 3);
   if (batch > INT32_MAX || seq_q > INT32_MAX || kd[r - 3] > INT32_MAX) return invalid_bwd("dimensions too large");

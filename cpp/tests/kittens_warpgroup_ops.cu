@@ -200,8 +200,9 @@ ffi::Error BulkAdd(cudaStream_t stream, ffi::Buffer<ffi::F32> base, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-// ---- fragment-order staging and 1-D bulk adds: out = base + 2 x, x [64, 64] staged by four warps in
-// their register order (the attention backward's dQ path) ----
+// ---- fragment order: out = base + 3 x, x [64, 64] staged by four warps in their register order
+// and added twice by 1-D bulk reductions (the D <= 128 attention backward's dQ path), then once
+// more from the registers by atomic_add_fragments (the D = 256 path) ----
 __global__ void __launch_bounds__(128) fragment_add_kernel(const float* x, float* out) {
   __shared__ __align__(128) float staged[64 * 64];
   const int row0 = 16 * warpgroup::warp_in_group();
@@ -217,6 +218,7 @@ __global__ void __launch_bounds__(128) fragment_add_kernel(const float* x, float
     }
     tma::wait_group<0>();
   }
+  atomic_add_fragments(out + 64 * row0, t);
 }
 
 ffi::Error FragmentAdd(cudaStream_t stream, ffi::Buffer<ffi::F32> base, ffi::Buffer<ffi::F32> x,

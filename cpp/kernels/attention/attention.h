@@ -55,16 +55,14 @@ struct BackwardParams {
 // lse and delta rows are padded to a multiple of this many queries.
 constexpr int BACKWARD_Q_TILE = 64;
 
-// The dQ accumulator's layout. head_dim <= 128: [batch, heads_q, seq_q_padded / 64, head_dim / 64,
-// 64 x 64], each 64-query x 64-column chunk in the fragment order of four warps' kittens
-// store_fragments (warp w holds rows 16 w ..; element (w, j, half, g, t, down, bit) is row
-// 16 w + 8 down + g, column 16 j + 8 half + 2 t + bit), so that a chunk is added with one
-// contiguous bulk reduction and its stores are conflict-free. head_dim 256: [batch, seq_q,
-// heads_q, head_dim] in row order.
-inline bool dq_in_fragment_order(int head_dim) { return head_dim <= 128; }
+// The dQ accumulator's layout: [batch, heads_q, seq_q_padded / 64, head_dim / 64, 64 x 64], each
+// 64-query x 64-column chunk in the fragment order of four warps' kittens store_fragments (warp
+// w holds rows 16 w ..; element (w, j, half, g, t, down, bit) is row 16 w + 8 down + g, column
+// 16 j + 8 half + 2 t + bit), so that a chunk is added with one contiguous bulk reduction
+// (head_dim <= 128) or with vector reductions of whole 128-byte lines (head_dim 256), and its
+// stores are conflict-free.
 inline size_t dq_accum_floats(const BackwardParams& p) {
-  const int rows = dq_in_fragment_order(p.head_dim) ? p.seq_q_padded : p.seq_q;
-  return size_t(p.batch) * p.heads_q * rows * p.head_dim;
+  return size_t(p.batch) * p.heads_q * p.seq_q_padded * p.head_dim;
 }
 
 const char* backward_unsupported(const BackwardParams& p);

@@ -17,6 +17,8 @@
 // adds the pair's sum for half of the columns, receiving the partner's part through a
 // shared-memory mailbox (DSMEM), which halves the traffic into L2: fwd+bwd +7-15% (s11-7, s11-9).
 // Each warpgroup owns one chunk and sends one, so both do the same work: +1-6% more (s12-1).
+// The adds go into the accumulator's fragment order (attention.h), so that each reduction
+// request carries whole 128-byte lines.
 #pragma once
 
 #include "../../kittens/kittens.cuh"
@@ -65,10 +67,11 @@ constexpr int DS_READY_BARRIER = 5;
 // global memory) and sends chunk r ^ 1, so every warpgroup of both blocks does the same work.
 // The sent chunk's product comes first and its halves go out around the owned chunk's product,
 // so that neither block waits a whole product for the other.
+// dq_rows: where this warp's rows of the query tile's first chunk start in the accumulator
+// (chunk c follows at c * 64 * 64 floats).
 template <typename T, int D>
-__device__ __forceinline__ void add_dq_half(const gl<float>& dq_accum, const st<T, 64, 64>& ds,
-                                            const st<T, 64, D>& k, int col0, tile_coord rows,
-                                            cluster::mailbox<16, 32, 1>& mail, int rank, int step) {
+__device__ __forceinline__ void add_dq_half(float* dq_rows, const st<T, 64, 64>& ds, const st<T, 64, D>& k,
+                                            int col0, cluster::mailbox<16, 32, 1>& mail, int rank, int step) {
   const int partner = rank ^ 1;
   rt_fl<16, 64> sent, owned;
   warpgroup::mma_AtB(sent, ds, k, col0 + 64 * partner, false);
@@ -79,7 +82,7 @@ __device__ __forceinline__ void add_dq_half(const gl<float>& dq_accum, const st<
   mail.receive_add(owned, 0, partner, 2 * step);
   mail.send(sent, 2, partner, 2 * step + 1);
   mail.receive_add(owned, 2, partner, 2 * step + 1);
-  atomic_add(dq_accum, owned, rows, col0 + 64 * rank);
+  atomic_add_fragments(dq_rows + (col0 / 64 + rank) * (BACKWARD_Q_TILE * 64), owned);
 }
 
 template <typename T, int D>
@@ -129,17 +132,17 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
   const int warp = warpgroup::warp_in_group();
   const int key0 = k0 + 16 * warp;  // this warp's first key row (in both roles)
   const auto masked_tile = mask_band.cuts_for_keys(QT, key0, 16);  // rows are keys, columns queries
-  const auto dq_accum = gl<float>::contiguous(p.dq_accum, p.batch, p.seq_q, p.heads_q, D);
   rt_fl<16, D> grad;  // dV in the P role, dK in the dS role
   zero(grad);
   if (walk.steps > 0) tma::wait(s.kv_full, 0);
 
   query_walk::tile tile = walk.first();
   for (int i = 0; i < walk.steps; i++, walk.advance(tile)) {
-    const int h = tile.head, q0 = tile.q0, buf = i & 1;
+    const int q0 = tile.q0, buf = i & 1;
     const int stage = s.stage_slots.acquire(i);
     const auto& q_tile = s.stages.q[stage];
     const auto& dout_tile = s.stages.dout[stage];
+    float* const dq_rows = p.dq_accum + dq_chunk_offset<D>(p, b, tile, 0) + 16 * 64 * warp;
 
     if (p_role) {
       // P^T from the recomputed scores; lse2 is +inf on rows that saw nothing, giving P = 0.
@@ -157,7 +160,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       named_barrier_arrive(PROBS_READY_BARRIER + warp, 64);
       warpgroup::mma_AB(grad, probs_16, dout_tile, true);  // dV += P^T dO
       named_barrier_sync(DS_READY_BARRIER, 256);
-      add_dq_half(dq_accum, s.ds[buf], s.k, 0, {b, h, q0 + 16 * warp}, s.dq_mail[0], rank, i);
+      add_dq_half(dq_rows, s.ds[buf], s.k, 0, s.dq_mail[0], rank, i);
     } else {
       rt_fl<16, QT> dprobs;
       warpgroup::mma_ABt(dprobs, s.v, dout_tile, false);  // dP^T = V dO^T
@@ -178,7 +181,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       warpgroup::fence_shared_to_async();
       warpgroup::mma_AB(grad, ds_16, q_tile, true);  // dK += dS^T Q
       named_barrier_sync(DS_READY_BARRIER, 256);
-      add_dq_half(dq_accum, s.ds[buf], s.k, D / 2, {b, h, q0 + 16 * warp}, s.dq_mail[1], rank, i);
+      add_dq_half(dq_rows, s.ds[buf], s.k, D / 2, s.dq_mail[1], rank, i);
     }
     warpgroup::wait<0>();  // this role's gradient product has read the stage
     s.stage_slots.release(i);

@@ -163,13 +163,14 @@ __device__ __forceinline__ void store(st<T, SR, SC>& dst, const rt<U, R, C, layo
   }
 }
 
-// A warp's fp32 register tile into shared memory in its own register order ("fragment order"),
-// for data that leaves by bulk copy and is put in row order later: lane l writes its quad n
-// (the two pairs of registers 2 half and 2 half + 1) to dst[4 (32 n + l)], so each 16-byte store
-// instruction fills 512 contiguous bytes (no bank conflicts, no address arithmetic). Quad
-// n = (i * width + j) * 2 + half holds, in order, rows 16 i + g and 16 i + 8 + g (down = 0, 1),
-// columns 16 j + 8 half + 2 t and + 1 of the tile, where l = 4 g + t.
-// dst: 16-byte aligned, R * C floats.
+// "Fragment order" is a warp's own register order for an fp32 register tile, for data that is
+// put in row order later: lane l's quad n (the two pairs of registers 2 half and 2 half + 1)
+// goes to floats 4 (32 n + l), so each 16-byte access of a warp covers 512 contiguous bytes.
+// Quad n = (i * width + j) * 2 + half holds, in order, rows 16 i + g and 16 i + 8 + g
+// (down = 0, 1), columns 16 j + 8 half + 2 t and + 1 of the tile, where l = 4 g + t.
+//
+// A tile into shared memory in fragment order, for data that leaves by bulk copy: no bank
+// conflicts, no address arithmetic. dst: 16-byte aligned, R * C floats.
 template <int R, int C>
 __device__ __forceinline__ void store_fragments(float* dst, const rt_fl<R, C>& src) {
   const uint32_t base = shared_addr(dst) + 16 * laneid();
@@ -240,24 +241,24 @@ __device__ __forceinline__ void store(const gl<T>& dst, const rt<U, R, C, layout
   }
 }
 
-// Atomically add a float register tile (row layout) into a float global tensor: tile row r is
-// sequence position coord.row0 + r; rows past dst.seq are skipped. Pairs go as one
-// vector reduction (red.global.add.v2.f32, sm_90).
+// Atomically add a tile into global memory laid out in fragment order (above):
+// each vector reduction instruction (red.global.add.v4.f32, sm_90) covers four whole 128-byte
+// lines, where row-order adds from a fragment reach one 32-byte sector per row. dst: 16-byte
+// aligned, R * C floats.
 template <int R, int C>
-__device__ __forceinline__ void atomic_add(const gl<float>& dst, const rt_fl<R, C>& src, tile_coord coord,
-                                           int col0 = 0) {
+__device__ __forceinline__ void atomic_add_fragments(float* dst, const rt_fl<R, C>& src) {
+  float* lane_dst = dst + 4 * laneid();
 #pragma unroll
   for (int i = 0; i < src.height; i++)
 #pragma unroll
     for (int j = 0; j < src.width; j++)
 #pragma unroll
-      for (int k = 0; k < 4; k++) {
-        const int r = coord.row0 + 16 * i + fragment_row(k);
-        if (r < dst.seq) {
-          const float2 v = src.tiles[i][j].data[k];
-          float* p = dst.row(coord.b, r, coord.h) + col0 + 16 * j + fragment_col(k, 0);
-          asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(v.x), "f"(v.y) : "memory");
-        }
+      for (int half = 0; half < 2; half++) {
+        const int n = (i * src.width + j) * 2 + half;
+        const float2 top = unpack(src.tiles[i][j].data[2 * half]), bottom = unpack(src.tiles[i][j].data[2 * half + 1]);
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(lane_dst + 128 * n), "f"(top.x),
+                     "f"(top.y), "f"(bottom.x), "f"(bottom.y)
+                     : "memory");
       }
 }
 
