@@ -66,19 +66,23 @@ constexpr int DS_READY_BARRIER = 5;
 // 64-column chunks: block r owns chunk r (it adds the partner's part to its own and the sum to
 // global memory) and sends chunk r ^ 1, so every warpgroup of both blocks does the same work.
 // The sent chunk's product comes first and its halves go out around the owned chunk's product,
-// so that neither block waits a whole product for the other.
+// so that neither block waits a whole product for the other. `issue_late` issues LATE_GROUPS
+// more products (a role's gradient product, which nothing here waits for) behind the owned
+// chunk's, so that they run while the halves travel rather than delay the first send.
 // dq_rows: where this warp's rows of the query tile's first chunk start in the accumulator
 // (chunk c follows at c * 64 * 64 floats).
-template <typename T, int D>
+template <int LATE_GROUPS, typename T, int D, typename IssueLate>
 __device__ __forceinline__ void add_dq_half(float* dq_rows, const st<T, 64, 64>& ds, const st<T, 64, D>& k,
-                                            int col0, cluster::mailbox<16, 32, 1>& mail, int rank, int step) {
+                                            int col0, cluster::mailbox<16, 32, 1>& mail, int rank, int step,
+                                            IssueLate&& issue_late) {
   const int partner = rank ^ 1;
   rt_fl<16, 64> sent, owned;
   warpgroup::mma_AtB(sent, ds, k, col0 + 64 * partner, false);
   warpgroup::wait<0>();
   mail.send(sent, 0, partner, 2 * step);
   warpgroup::mma_AtB(owned, ds, k, col0 + 64 * rank, false);
-  warpgroup::wait<0>();
+  issue_late();
+  warpgroup::wait<LATE_GROUPS>();
   mail.receive_add(owned, 0, partner, 2 * step);
   mail.send(sent, 2, partner, 2 * step + 1);
   mail.receive_add(owned, 2, partner, 2 * step + 1);
@@ -160,7 +164,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       named_barrier_arrive(PROBS_READY_BARRIER + warp, 64);
       warpgroup::mma_AB(grad, probs_16, dout_tile, true);  // dV += P^T dO
       named_barrier_sync(DS_READY_BARRIER, 256);
-      add_dq_half(dq_rows, s.ds[buf], s.k, 0, s.dq_mail[0], rank, i);
+      add_dq_half<0>(dq_rows, s.ds[buf], s.k, 0, s.dq_mail[0], rank, i, [] {});
     } else {
       rt_fl<16, QT> dprobs;
       warpgroup::mma_ABt(dprobs, s.v, dout_tile, false);  // dP^T = V dO^T
@@ -179,9 +183,11 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       __syncwarp();  // every lane has read its P^T before the warp overwrites the rows
       store(s.ds[buf], ds_16, 16 * warp, 0);
       warpgroup::fence_shared_to_async();
-      warpgroup::mma_AB(grad, ds_16, q_tile, true);  // dK += dS^T Q
       named_barrier_sync(DS_READY_BARRIER, 256);
-      add_dq_half(dq_rows, s.ds[buf], s.k, D / 2, s.dq_mail[1], rank, i);
+      // dK's product goes behind dQ's owned chunk: the P warpgroup and the partner block wait
+      // for this role's first send, which then does not wait for dK (+3-5%, s17-6).
+      add_dq_half<1>(dq_rows, s.ds[buf], s.k, D / 2, s.dq_mail[1], rank, i,
+                     [&] { warpgroup::mma_AB(grad, ds_16, q_tile, true); });  // dK += dS^T Q
     }
     warpgroup::wait<0>();  // this role's gradient product has read the stage
     s.stage_slots.release(i);
