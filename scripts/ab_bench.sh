@@ -54,6 +54,9 @@ for key in sorted(cells):
 EOF
 }
 
+# A warm device machine keeps build/ from the last call, and the tree arrives with older file
+# times than those objects: start from a clean build, then copy under new times (below).
+rm -rf build
 round=0
 for variant in "$@"; do
   round=$((round + 1))
@@ -94,4 +97,3 @@ EOF
   summarize "${@:1:$round}" >"$(dirname "$LOG")/ab_table.md"
 done
 summarize "$@" | tee -a "$LOG"
-
