@@ -40,9 +40,12 @@ def test_parse_args_defaults_and_options():
     assert args.causal == "yes" and args.fwd_only and args.reps == 3 and args.quick
     assert args.contenders == ["tk", "cudnn"]
     assert parse_args(["--peers-only"]).list
+    args = parse_args(["attention", "--sequential", "--settle", "0.5"])
+    assert args.sequential and args.settle == 0.5 and parse_args([]).settle == 1.0
 
 
-@pytest.mark.parametrize("argv", [["nonsense"], ["--reps", "0"], ["--causal", "maybe"]])
+@pytest.mark.parametrize("argv", [["nonsense"], ["--reps", "0"], ["--causal", "maybe"],
+                                  ["--settle", "-1"], ["--settle", "nan"]])
 def test_parse_args_rejects_bad_input(argv):
     with pytest.raises(SystemExit):
         parse_args(argv)
@@ -163,6 +166,92 @@ def test_run_one_reports_errors_raised_while_timing():
     assert outcome.status == bench.ERROR and "device fault" in outcome.reason
 
 
+def shared_runner(clock, seconds_per_call, log, name, fail_after=None):
+    """A fake runner on a clock shared with others (the device is one), logging its calls."""
+    def call(i):
+        if fail_after is not None and len([x for x in log if x == name]) >= fail_after:
+            raise RuntimeError(f"{name} lost the device")
+        log.append(name)
+        clock.now += seconds_per_call
+        return i
+    return timing.Runner(call=call, n_sets=2, clock=clock)
+
+
+def test_measure_interleaved_takes_samples_in_rotating_turns():
+    clock, log = FakeClock(0.0), []
+    runners = [shared_runner(clock, t, log, name) for name, t in (("a", 1e-3), ("b", 4e-3), ("c", 2e-3))]
+    results = timing.measure_interleaved(runners, reps=3, warmup=2, min_rep_seconds=0.004)
+    assert [r.reps for r in results] == [3, 3, 3]
+    for result, seconds in zip(results, (1e-3, 4e-3, 2e-3)):
+        assert math.isclose(result.median_s, seconds) and math.isclose(result.min_s, seconds)
+    assert [r.calls_per_rep for r in results] == [4, 1, 2]
+    # Warm-up (2 calls + 1 timing call each) in order, then one sample of each per round,
+    # round r starting from runner r mod 3.
+    timed = log[9:]
+    samples, i = [], 0
+    while i < len(timed):
+        name = timed[i]
+        count = {"a": 4, "b": 1, "c": 2}[name]
+        assert timed[i:i + count] == [name] * count
+        samples.append(name)
+        i += count
+    assert samples == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+def test_measure_interleaved_keeps_timing_the_others_when_one_fails():
+    clock, log = FakeClock(0.0), []
+    runners = [shared_runner(clock, 1e-3, log, "ok"),
+               shared_runner(clock, 1e-3, log, "flaky", fail_after=5),
+               shared_runner(clock, 1e-3, log, "dead", fail_after=0)]
+    ok, flaky, dead = timing.measure_interleaved(runners, reps=4, warmup=1, min_rep_seconds=0.002)
+    assert ok.reps == 4 and math.isclose(ok.median_s, 1e-3)
+    assert isinstance(flaky, RuntimeError) and "flaky" in str(flaky)
+    assert isinstance(dead, RuntimeError)
+    with pytest.raises(ValueError):
+        timing.measure_interleaved(runners, reps=0)
+
+
+def test_measure_interleaved_settles_before_recording():
+    clock, log = FakeClock(0.0), []
+    runners = [shared_runner(clock, 1e-3, log, name) for name in ("a", "b")]
+    timing.measure_interleaved(runners, reps=2, warmup=1, min_rep_seconds=0.002)
+    unsettled = len(log)
+    log.clear()
+    results = timing.measure_interleaved(runners, reps=2, warmup=1, min_rep_seconds=0.002,
+                                         settle_seconds=0.05)
+    assert len(log) > unsettled and len(log) % 2 == 0  # whole rounds of both ran first
+    assert [r.reps for r in results] == [2, 2] and math.isclose(results[0].median_s, 1e-3)
+
+
+def test_run_grid_interleaved_records_failures_in_contender_order():
+    clock, log = FakeClock(0.0), []
+    released = []
+
+    def prepare_ok(name, seconds):
+        def prepare(config):
+            runner = shared_runner(clock, seconds, log, name)
+            return timing.Runner(call=runner.call, n_sets=runner.n_sets, clock=clock,
+                                 release=lambda: released.append(name))
+        return prepare
+
+    contenders = [contender("fast", prepare_ok("fast", 1e-3)),
+                  contender("unsup", raiser(bench.Unsupported("no D=512"))),
+                  contender("slow", prepare_ok("slow", 3e-3)),
+                  contender("absent", raiser(AssertionError), unavailable="not installed")]
+    seen = []
+    outcomes = bench.run_grid([1, 2], contenders, reps=3, to_dict=lambda c: {"t": c},
+                              add_metrics=lambda c, o: o.metrics.update(ms=o.median_ms),
+                              on_outcome=lambda c, o: seen.append((c, o.contender)),
+                              interleave=True)
+    assert [(o.config["t"], o.contender, o.status) for o in outcomes] == [
+        (t, name, status) for t in (1, 2) for name, status in
+        (("fast", bench.OK), ("unsup", bench.UNSUPPORTED), ("slow", bench.OK),
+         ("absent", bench.UNAVAILABLE))]
+    assert math.isclose(outcomes[0].metrics["ms"], 1.0) and math.isclose(outcomes[2].median_ms, 3.0)
+    assert seen == [(o.config["t"], o.contender) for o in outcomes]
+    assert released == ["fast", "slow", "fast", "slow"]  # each configuration's runners let go
+
+
 # ---------------------------------------------------------------------------------------------
 # Reports.
 
@@ -247,6 +336,7 @@ def test_tiny_attention_run_writes_results(tmp_path, capsys):
             assert o["metrics"]["tflops"] > 0
     markdown = (tmp_path / "attention-test-card.md").read_text()
     assert "tk_reference (TFLOP/s)" in markdown and "| 32 | causal | 64" in markdown
+    assert "timing: contenders in turns, 1 samples each after 1.0 s" in markdown
     assert "attention-test-card.md" in capsys.readouterr().out
 
 

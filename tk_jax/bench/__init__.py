@@ -23,7 +23,7 @@ import math
 import traceback
 from typing import Any, Callable, Iterable
 
-from tk_jax.bench.timing import Runner, measure
+from tk_jax.bench.timing import Runner, Timing, measure, measure_interleaved
 
 # Roles decide what the "tk / best peer" ratio compares.
 OURS = "ours"          # tk_jax's kernel: the numerator
@@ -140,55 +140,109 @@ def short_error(err: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def run_one(contender: Contender, config: Any, config_dict: dict, *, reps: int,
-            verbose_errors: bool = False) -> Outcome:
-    """Prepare and time one contender on one configuration; never raises (except on Ctrl-C)."""
-
-    def outcome(status: str, reason: str = "", **measured) -> Outcome:
-        return Outcome(config=config_dict, contender=contender.name, role=contender.role,
-                       status=status, reason=reason, **measured)
-
+def _prepare(contender: Contender, config: Any, verbose_errors: bool) -> Runner | tuple[str, str]:
+    """The contender's runner for `config`, or (status, reason) when there is none."""
     why_not = contender.unavailable()
     if why_not is not None:
-        return outcome(UNAVAILABLE, why_not)
-    runner = None
+        return UNAVAILABLE, why_not
     try:
-        runner = contender.prepare(config)
-        result = measure(runner, reps=reps)
+        return contender.prepare(config)
     except Unsupported as err:
-        return outcome(UNSUPPORTED, str(err))
+        return UNSUPPORTED, str(err)
     except Skipped as err:
-        return outcome(SKIPPED, str(err))
+        return SKIPPED, str(err)
     except Exception as err:  # a failing peer must not end the run
         if verbose_errors:
             traceback.print_exc()
-        return outcome(ERROR, short_error(err))
+        return ERROR, short_error(err)
+
+
+def _release(runners: list[Runner]) -> None:
+    """Drop inputs and executables before the next configuration allocates its own."""
+    hooks = [r.release for r in runners if r.release is not None]
+    runners.clear()
+    gc.collect()
+    for hook in hooks:
+        hook()
+
+
+def _outcome(contender: Contender, config_dict: dict, status: str, reason: str = "",
+             timing: Timing | None = None) -> Outcome:
+    measured = {} if timing is None else dict(
+        median_ms=timing.median_s * 1e3, min_ms=timing.min_s * 1e3, max_ms=timing.max_s * 1e3,
+        reps=timing.reps, calls_per_rep=timing.calls_per_rep)
+    return Outcome(config=config_dict, contender=contender.name, role=contender.role,
+                   status=status, reason=reason, **measured)
+
+
+def run_one(contender: Contender, config: Any, config_dict: dict, *, reps: int,
+            verbose_errors: bool = False) -> Outcome:
+    """Prepare and time one contender on one configuration; never raises (except on Ctrl-C)."""
+    prepared = _prepare(contender, config, verbose_errors)
+    if not isinstance(prepared, Runner):
+        return _outcome(contender, config_dict, *prepared)
+    runners = [prepared]
+    del prepared
+    try:
+        result = measure(runners[0], reps=reps)
+    except Exception as err:
+        if verbose_errors:
+            traceback.print_exc()
+        return _outcome(contender, config_dict, ERROR, short_error(err))
     finally:
-        # Drop inputs and executables before the next contender allocates its own.
-        release = runner.release if runner is not None else None
-        del runner
-        gc.collect()
-        if release is not None:
-            release()
-    return outcome(OK, median_ms=result.median_s * 1e3, min_ms=result.min_s * 1e3,
-                   max_ms=result.max_s * 1e3, reps=result.reps,
-                   calls_per_rep=result.calls_per_rep)
+        _release(runners)
+    return _outcome(contender, config_dict, OK, timing=result)
+
+
+def run_interleaved(contenders: list[Contender], config: Any, config_dict: dict, *, reps: int,
+                    verbose_errors: bool = False, settle_seconds: float = 0.0) -> list[Outcome]:
+    """Every contender on one configuration, prepared first and then timed in turns after
+    `settle_seconds` of unrecorded turns (timing.measure_interleaved), so that all of them run
+    in the same state of the card's clocks and power. One outcome per contender, in order;
+    never raises (except on Ctrl-C)."""
+    prepared = [_prepare(c, config, verbose_errors) for c in contenders]
+    runners = [p for p in prepared if isinstance(p, Runner)]
+    failures = [None if isinstance(p, Runner) else p for p in prepared]
+    del prepared  # the runners list holds the only references, for _release
+    try:
+        timings = iter(measure_interleaved(runners, reps=reps, settle_seconds=settle_seconds))
+    finally:
+        _release(runners)
+    outcomes = []
+    for contender, failure in zip(contenders, failures):
+        if failure is not None:
+            outcomes.append(_outcome(contender, config_dict, *failure))
+            continue
+        result = next(timings)
+        if isinstance(result, Exception):
+            outcomes.append(_outcome(contender, config_dict, ERROR, short_error(result)))
+        else:
+            outcomes.append(_outcome(contender, config_dict, OK, timing=result))
+    return outcomes
 
 
 def run_grid(configs: Iterable[Any], contenders: list[Contender], *, reps: int,
              to_dict: Callable[[Any], dict], add_metrics: Callable[[Any, Outcome], None],
              on_outcome: Callable[[Any, Outcome], None],
-             verbose_errors: bool = False) -> list[Outcome]:
+             verbose_errors: bool = False, interleave: bool = False,
+             settle_seconds: float = 0.0) -> list[Outcome]:
     """The benchmark loop: every contender on every configuration, in order.
 
     `add_metrics(config, outcome)` fills outcome.metrics for successful runs;
     `on_outcome(config, outcome)` is called after each measurement (progress, incremental JSON).
+    With `interleave`, a configuration's contenders are all prepared and then timed in turns
+    after `settle_seconds` (run_interleaved); else one after the other, each released before
+    the next is prepared.
     """
     outcomes = []
     for config in configs:
-        for contender in contenders:
-            result = run_one(contender, config, to_dict(config), reps=reps,
-                             verbose_errors=verbose_errors)
+        if interleave:
+            results = run_interleaved(contenders, config, to_dict(config), reps=reps,
+                                      verbose_errors=verbose_errors, settle_seconds=settle_seconds)
+        else:
+            results = (run_one(c, config, to_dict(config), reps=reps, verbose_errors=verbose_errors)
+                       for c in contenders)
+        for result in results:
             if result.status == OK:
                 add_metrics(config, result)
             outcomes.append(result)

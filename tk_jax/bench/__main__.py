@@ -40,6 +40,9 @@ class Plan:
     table: report.TableSpec
     plot: dict                    # keyword arguments for report.write_plot
     decode_shape: tuple[int, int] | None = None  # (batch, heads) of the decode step, if any
+    # Time a configuration's contenders in turns (bench.run_interleaved) rather than one after
+    # the other; all of them then hold their inputs at once.
+    interleave: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,6 +95,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fwd-only", action="store_true", help="forward pass only")
     parser.add_argument("--reps", type=int, default=10,
                         help="timed repeats per point; the median is reported (default 10)")
+    parser.add_argument("--settle", type=float, default=1.0,
+                        help="attention: seconds of unrecorded turns of all contenders before "
+                             "a point's samples, so that they are taken at the card's sustained "
+                             "clocks, as in a training run (default 1.0)")
+    parser.add_argument("--sequential", action="store_true",
+                        help="attention: time the contenders one after the other, each in a "
+                             "short burst after its own warm-up, instead of in turns after "
+                             "--settle (the method of the grids before session 18)")
     parser.add_argument("--contenders", type=lambda s: [x for x in s.split(",") if x],
                         help="only these contenders (names as in --list), comma-separated")
     parser.add_argument("--tk-backend", default="kernel", choices=["kernel", "auto", "reference"],
@@ -107,6 +118,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be >= 1, got {args.reps}")
+    if not args.settle >= 0:
+        parser.error(f"--settle must be >= 0 seconds, got {args.settle}")
     return args
 
 
@@ -140,6 +153,7 @@ def attention_plan(args: argparse.Namespace) -> Plan:
         suite="attention", configs=configs,
         contenders=attention.contenders(args.tk_backend),
         to_dict=attention.config_to_dict, add_metrics=attention.add_metrics,
+        interleave=not args.sequential,
         table=report.TableSpec(
             group_field="pass", key_fields=("d", "causal", "t", "batch", "heads"),
             metric=lambda o: o["metrics"]["tflops"], metric_name="TFLOP/s",
@@ -281,7 +295,11 @@ def run_plan(plan: Plan, args: argparse.Namespace, environment: dict, card: str)
     if args.merge:
         earlier = report.read_json(json_path) or {}
         previous = earlier.get("results", [])
+    timing_method = (f"contenders in turns, {args.reps} samples each after {args.settle} s of "
+                     f"unrecorded turns" if plan.interleave else
+                     f"contenders one after the other, {args.reps} samples each after warm-up")
     document = {"suite": plan.suite, "card": card, "command": args.command,
+                "timing": timing_method,
                 "started": datetime.datetime.now().isoformat(timespec="seconds"),
                 "environment": environment,
                 "contenders": describe_contenders(plan.contenders),
@@ -303,7 +321,8 @@ def run_plan(plan: Plan, args: argparse.Namespace, environment: dict, card: str)
     try:
         run_grid(plan.configs, plan.contenders, reps=args.reps, to_dict=plan.to_dict,
                  add_metrics=plan.add_metrics, on_outcome=on_outcome,
-                 verbose_errors=args.verbose)
+                 verbose_errors=args.verbose, interleave=plan.interleave,
+                 settle_seconds=args.settle if plan.interleave else 0.0)
         if plan.decode_shape is not None:
             print(f"-- {plan.suite}: decode step --", flush=True)
             document["decode"] = run_decode(plan, args)
@@ -320,6 +339,7 @@ def write_reports(plan: Plan, document: dict, stem: str, *, plot: bool) -> None:
     names = [c.name for c in plan.contenders]
     title = f"{plan.suite} on {document['card']}"
     header = report.environment_lines(document["environment"]) + [
+        f"timing: {document['timing']}"] * bool(document.get("timing")) + [
         f"contender {name}: {text}" for name, text in document["contenders"].items()]
     parts = [f"# {title}", "", "\n".join(f"- {line}" for line in header), ""]
     if outcomes:

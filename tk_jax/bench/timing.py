@@ -4,6 +4,9 @@ A sample is the wall time of a loop of `calls` back-to-back calls divided by `ca
 is long enough (about `min_rep_seconds`) that launch latency and the final synchronisation are
 amortised. The reported time is the median sample over `reps` repeats, after warm-up (compile,
 autotuning, allocator growth).
+
+`measure_interleaved` times several runners of one configuration in turns, one sample of each
+per round, so that drift in clocks and temperature over the run reaches them all alike.
 """
 from __future__ import annotations
 
@@ -118,33 +121,88 @@ def compiled_jax_runner(attend, sets, *, backward: bool) -> Runner:
     return Runner(call=lambda i: compiled(*sets[i]), n_sets=len(sets), clock=JaxClock())
 
 
+def _warm_up(runner: Runner, *, warmup: int, min_rep_seconds: float, max_calls_per_rep: int) -> int:
+    """Runs every input set at least `warmup` calls in all, then returns how many calls make a
+    sample about `min_rep_seconds` long (decided by one timed call)."""
+    call, n_sets, clock = runner.call, runner.n_sets, runner.clock
+    out = None
+    for i in range(max(warmup, n_sets)):  # every input set at least once
+        out = call(i % n_sets)
+    clock.sync(out)
+    token = clock.start()
+    out = call(0)
+    one_call = max(clock.stop(token, out), 1e-7)
+    return max(1, min(max_calls_per_rep, math.ceil(min_rep_seconds / one_call)))
+
+
+def _sample(runner: Runner, calls: int) -> float:
+    """Seconds per call over `calls` back-to-back calls; the device is idle before and after."""
+    token = runner.clock.start()
+    out = None
+    for c in range(calls):
+        out = runner.call(c % runner.n_sets)
+    return runner.clock.stop(token, out) / calls
+
+
+def _timing(samples: list[float], calls: int) -> Timing:
+    return Timing(median_s=statistics.median(samples), min_s=min(samples), max_s=max(samples),
+                  reps=len(samples), calls_per_rep=calls)
+
+
 def measure(runner: Runner, *, reps: int = 10, warmup: int = 3, min_rep_seconds: float = 0.02,
             max_calls_per_rep: int = 1000) -> Timing:
     """Median seconds per call of `runner` (see the module docstring)."""
     if reps < 1:
         raise ValueError(f"measure: reps must be >= 1, got {reps}")
-    call, n_sets, clock = runner.call, runner.n_sets, runner.clock
+    calls = _warm_up(runner, warmup=warmup, min_rep_seconds=min_rep_seconds,
+                     max_calls_per_rep=max_calls_per_rep)
+    return _timing([_sample(runner, calls) for _ in range(reps)], calls)
 
-    out = None
-    for i in range(max(warmup, n_sets)):  # every input set at least once
-        out = call(i % n_sets)
-    clock.sync(out)
 
-    # One timed call decides how many calls make a sample long enough.
-    token = clock.start()
-    out = call(0)
-    one_call = max(clock.stop(token, out), 1e-7)
-    calls = max(1, min(max_calls_per_rep, math.ceil(min_rep_seconds / one_call)))
+def measure_interleaved(runners: list[Runner], *, reps: int = 10, warmup: int = 3,
+                        min_rep_seconds: float = 0.02, max_calls_per_rep: int = 1000,
+                        settle_seconds: float = 0.0) -> list[Timing | Exception]:
+    """`measure` for several runners at once: after every runner's warm-up, round r takes one
+    sample of each, starting from runner r mod n, so no runner always follows the same one.
+    Before the first recorded round, unrecorded rounds run for `settle_seconds`: an H100 runs
+    attention at its power limit, and its power reading averages over about a second, so the
+    first tenths of a second of a burst run at higher clocks than a training step keeps
+    (bench/NOTES.md, s18-7). Returns, per runner, its Timing or the exception it raised (it
+    then leaves the rounds)."""
+    if reps < 1:
+        raise ValueError(f"measure_interleaved: reps must be >= 1, got {reps}")
+    results: list[Timing | Exception | None] = [None] * len(runners)
+    calls: dict[int, int] = {}
+    for i, runner in enumerate(runners):
+        try:
+            calls[i] = _warm_up(runner, warmup=warmup, min_rep_seconds=min_rep_seconds,
+                                max_calls_per_rep=max_calls_per_rep)
+        except Exception as err:  # a failing runner must not stop the others
+            results[i] = err
+    samples: dict[int, list[float]] = {i: [] for i in calls}
+    n = len(runners)
 
-    samples = []
-    for _ in range(reps):
-        clock.sync(out)
-        token = clock.start()
-        for c in range(calls):
-            out = call(c % n_sets)
-        samples.append(clock.stop(token, out) / calls)
-    return Timing(median_s=statistics.median(samples), min_s=min(samples), max_s=max(samples),
-                  reps=reps, calls_per_rep=calls)
+    def one_round(r: int, record: bool) -> None:
+        for i in [(r + j) % n for j in range(n)]:
+            if i not in samples or results[i] is not None:
+                continue
+            try:
+                seconds = _sample(runners[i], calls[i])
+            except Exception as err:
+                results[i] = err
+                continue
+            if record:
+                samples[i].append(seconds)
+
+    settle_until = time.perf_counter() + settle_seconds
+    while time.perf_counter() < settle_until and any(results[i] is None for i in samples):
+        one_round(0, record=False)
+    for r in range(reps):
+        one_round(r, record=True)
+    for i, taken in samples.items():
+        if results[i] is None:
+            results[i] = _timing(taken, calls[i])
+    return results  # type: ignore[return-value]
 
 
 def jax_dispatch_overhead_seconds(reps: int = 5) -> float:
