@@ -6,7 +6,8 @@ amortised. The reported time is the median sample over `reps` repeats, after war
 autotuning, allocator growth).
 
 `measure_interleaved` times several runners of one configuration in turns, one sample of each
-per round, so that drift in clocks and temperature over the run reaches them all alike.
+per round, after unrecorded turns that bring the card to the clocks it sustains, so that every
+runner is timed in the same state of the card (its power limit sets the clocks).
 """
 from __future__ import annotations
 
@@ -122,8 +123,8 @@ def compiled_jax_runner(attend, sets, *, backward: bool) -> Runner:
 
 
 def _warm_up(runner: Runner, *, warmup: int, min_rep_seconds: float, max_calls_per_rep: int) -> int:
-    """Runs every input set at least `warmup` calls in all, then returns how many calls make a
-    sample about `min_rep_seconds` long (decided by one timed call)."""
+    """Runs max(warmup, n_sets) calls (every input set at least once), then returns how many
+    calls make a sample about `min_rep_seconds` long, decided by one timed call."""
     call, n_sets, clock = runner.call, runner.n_sets, runner.clock
     out = None
     for i in range(max(warmup, n_sets)):  # every input set at least once
@@ -136,7 +137,8 @@ def _warm_up(runner: Runner, *, warmup: int, min_rep_seconds: float, max_calls_p
 
 
 def _sample(runner: Runner, calls: int) -> float:
-    """Seconds per call over `calls` back-to-back calls; the device is idle before and after."""
+    """Seconds per call over `calls` back-to-back calls. The clock's stop waits for the device,
+    so the next sample (of this runner or another) starts on an idle device."""
     token = runner.clock.start()
     out = None
     for c in range(calls):
