@@ -3,7 +3,9 @@
 #
 # A variant is a folder .ab/<name>/ holding its cpp/ and tk_jax/ (copies from a checkout of
 # that variant; .ab/ is ignored, so name it in the device tool's carry). Rounds run in the
-# order given: mirror it (m c c m) so that drift in clocks cancels. Before each round only the
+# order given: mirror it (m c c m) so that drift in clocks cancels. Each point is timed after
+# the bench's --settle second, at the clocks the card sustains (rounds of one variant agree
+# within ~1%, bench/NOTES.md s18-9; burst-timed rounds differed by up to 6%). Before each round only the
 # files that differ from the tree in place are copied over it, so ninja rebuilds only the
 # translation units that include them.
 #
