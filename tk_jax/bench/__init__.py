@@ -23,7 +23,7 @@ import math
 import traceback
 from typing import Any, Callable, Iterable
 
-from tk_jax.bench.timing import Runner, Timing, measure, measure_interleaved
+from tk_jax.bench.timing import Runner, Timing, measure_interleaved
 
 # Roles decide what the "tk / best peer" ratio compares.
 OURS = "ours"          # tk_jax's kernel: the numerator
@@ -178,20 +178,7 @@ def _outcome(contender: Contender, config_dict: dict, status: str, reason: str =
 def run_one(contender: Contender, config: Any, config_dict: dict, *, reps: int,
             verbose_errors: bool = False) -> Outcome:
     """Prepare and time one contender on one configuration; never raises (except on Ctrl-C)."""
-    prepared = _prepare(contender, config, verbose_errors)
-    if not isinstance(prepared, Runner):
-        return _outcome(contender, config_dict, *prepared)
-    runners = [prepared]
-    del prepared
-    try:
-        result = measure(runners[0], reps=reps)
-    except Exception as err:
-        if verbose_errors:
-            traceback.print_exc()
-        return _outcome(contender, config_dict, ERROR, short_error(err))
-    finally:
-        _release(runners)
-    return _outcome(contender, config_dict, OK, timing=result)
+    return run_interleaved([contender], config, config_dict, reps=reps, verbose_errors=verbose_errors)[0]
 
 
 def run_interleaved(contenders: list[Contender], config: Any, config_dict: dict, *, reps: int,
@@ -215,6 +202,8 @@ def run_interleaved(contenders: list[Contender], config: Any, config_dict: dict,
             continue
         result = next(timings)
         if isinstance(result, Exception):
+            if verbose_errors:
+                traceback.print_exception(result)
             outcomes.append(_outcome(contender, config_dict, ERROR, short_error(result)))
         else:
             outcomes.append(_outcome(contender, config_dict, OK, timing=result))

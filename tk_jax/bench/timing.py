@@ -146,33 +146,29 @@ def _sample(runner: Runner, calls: int) -> float:
     return runner.clock.stop(token, out) / calls
 
 
-def _timing(samples: list[float], calls: int) -> Timing:
-    return Timing(median_s=statistics.median(samples), min_s=min(samples), max_s=max(samples),
-                  reps=len(samples), calls_per_rep=calls)
-
-
 def measure(runner: Runner, *, reps: int = 10, warmup: int = 3, min_rep_seconds: float = 0.02,
             max_calls_per_rep: int = 1000) -> Timing:
-    """Median seconds per call of `runner` (see the module docstring)."""
-    if reps < 1:
-        raise ValueError(f"measure: reps must be >= 1, got {reps}")
-    calls = _warm_up(runner, warmup=warmup, min_rep_seconds=min_rep_seconds,
-                     max_calls_per_rep=max_calls_per_rep)
-    return _timing([_sample(runner, calls) for _ in range(reps)], calls)
+    """Median seconds per call of `runner` (see the module docstring); raises what it raised."""
+    result = measure_interleaved([runner], reps=reps, warmup=warmup, min_rep_seconds=min_rep_seconds,
+                                 max_calls_per_rep=max_calls_per_rep)[0]
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 def measure_interleaved(runners: list[Runner], *, reps: int = 10, warmup: int = 3,
                         min_rep_seconds: float = 0.02, max_calls_per_rep: int = 1000,
                         settle_seconds: float = 0.0) -> list[Timing | Exception]:
     """`measure` for several runners at once: after every runner's warm-up, round r takes one
-    sample of each, starting from runner r mod n, so no runner always follows the same one.
+    sample of each, starting from runner r mod n (the cyclic order stays: runner i mostly
+    follows runner i - 1).
     Before the first recorded round, unrecorded rounds run for `settle_seconds`: an H100 runs
     attention at its power limit, and its power reading averages over about a second, so the
     first tenths of a second of a burst run at higher clocks than a training step keeps
     (bench/NOTES.md, s18-7). Returns, per runner, its Timing or the exception it raised (it
     then leaves the rounds)."""
     if reps < 1:
-        raise ValueError(f"measure_interleaved: reps must be >= 1, got {reps}")
+        raise ValueError(f"measure: reps must be >= 1, got {reps}")
     results: list[Timing | Exception | None] = [None] * len(runners)
     calls: dict[int, int] = {}
     for i, runner in enumerate(runners):
@@ -203,7 +199,8 @@ def measure_interleaved(runners: list[Runner], *, reps: int = 10, warmup: int = 
         one_round(r, record=True)
     for i, taken in samples.items():
         if results[i] is None:
-            results[i] = _timing(taken, calls[i])
+            results[i] = Timing(median_s=statistics.median(taken), min_s=min(taken), max_s=max(taken),
+                                reps=len(taken), calls_per_rep=calls[i])
     return results  # type: ignore[return-value]
 
 
