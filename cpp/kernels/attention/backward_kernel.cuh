@@ -243,9 +243,12 @@ template <typename T, int D>
 cudaError_t launch_backward(const BackwardParams& p, cudaStream_t stream) {
   using config = backward_config<D>;
   BackwardArgs args{};
-  // One (batch, KV head) pair per group: interleaving pairs (as the split kernel does) lost
-  // 2-9% here at D = 64 and was neutral at D = 128 (bench/NOTES.md, s10-7).
-  if (cudaError_t err = prepare_backward<T, D>(args, p, 64, 0, stream); err != cudaSuccess) return err;
+  // Under a band the key blocks differ in length, and pairs interleave heaviest first in
+  // groups whose Q, dO and dQ accumulator fill at most 32 MB of L2, so that the last blocks to
+  // start are light: causal fwd+bwd +1-2% at 2k-8k (bench/NOTES.md, s19-3/4). Otherwise one
+  // pair per group: interleaving lost 2-9% on unmasked D = 64 (s10-7).
+  const size_t group_l2_bytes = p.window_right >= 0 ? size_t(32) << 20 : 0;
+  if (cudaError_t err = prepare_backward<T, D>(args, p, 64, group_l2_bytes, stream); err != cudaSuccess) return err;
   constexpr int smem = int(sizeof(backward_shared<T, D>)) + 1024;
   static_assert(smem <= 227 * 1024, "the backward's shared memory exceeds the H100's 227 KB");
   const dim3 grid((p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS, p.heads_kv, p.batch);
