@@ -278,11 +278,13 @@ __global__ void __launch_bounds__(wgmma_forward_config<D, C>::THREADS, 1)
 }
 
 // Consumers per block: 3 at D = 64 (192 query rows), where their registers allow it, except
-// for causal or windowed attention over at most 4096 keys, where a 192-row block's masked
-// work at the band's edge outweighs it; else 2. (Same-card A/B in bench/NOTES.md, session 9.)
+// for causal or windowed attention over at most 2048 keys, where a 192-row block's masked
+// work at the band's edge outweighs it; else 2. (Same-card A/Bs in bench/NOTES.md: session 9
+// set the limit at 4096 keys in burst-timed rounds; at sustained clocks three consumers gain
+// 2.9% at causal 4k, s19-8.)
 inline int forward_consumers(const ForwardParams& p) {
   const bool banded = p.window_left >= 0 || p.window_right >= 0;
-  return p.head_dim == 64 && !(banded && p.seq_k <= 4096) ? 3 : 2;
+  return p.head_dim == 64 && !(banded && p.seq_k <= 2048) ? 3 : 2;
 }
 
 template <typename T, int D, int C>
