@@ -244,10 +244,10 @@ cudaError_t launch_backward(const BackwardParams& p, cudaStream_t stream) {
   using config = backward_config<D>;
   BackwardArgs args{};
   // Under a band the key blocks differ in length, and pairs interleave heaviest first in
-  // groups whose Q, dO and dQ accumulator fill at most 32 MB of L2, so that the last blocks to
-  // start are light: causal fwd+bwd +1-2% at 2k-8k (bench/NOTES.md, s19-3/4). Otherwise one
-  // pair per group: interleaving lost 2-9% on unmasked D = 64 (s10-7).
-  const size_t group_l2_bytes = p.window_right >= 0 ? size_t(32) << 20 : 0;
+  // L2-sized groups (BACKWARD_GROUP_L2_BYTES), so that the last blocks to start are light:
+  // causal fwd+bwd +1-2% at 2k-8k (bench/NOTES.md, s19-3/4). Otherwise one pair per group:
+  // interleaving lost 2-9% on unmasked D = 64 (s10-7).
+  const size_t group_l2_bytes = p.window_right >= 0 ? BACKWARD_GROUP_L2_BYTES : 0;
   if (cudaError_t err = prepare_backward<T, D>(args, p, 64, group_l2_bytes, stream); err != cudaSuccess) return err;
   constexpr int smem = int(sizeof(backward_shared<T, D>)) + 1024;
   static_assert(smem <= 227 * 1024, "the backward's shared memory exceeds the H100's 227 KB");

@@ -202,10 +202,10 @@ template <typename T, int D>
 cudaError_t launch_split_backward(const BackwardParams& p, cudaStream_t stream) {
   using config = split_backward_config<D>;
   BackwardArgs args{};
-  // Pairs interleave in groups whose Q, dO and dQ accumulator fill at most 32 MB of the 50 MB L2:
-  // +3-5% fwd+bwd at 2k-4k over one pair at a time (bench/NOTES.md, s10-7).
-  constexpr size_t group_l2_bytes = size_t(32) << 20;
-  if (cudaError_t err = prepare_backward<T, D>(args, p, config::KV_ROWS, group_l2_bytes, stream); err != cudaSuccess)
+  // Pairs interleave in L2-sized groups (BACKWARD_GROUP_L2_BYTES), masked or not: +3-5% fwd+bwd
+  // at 2k-4k over one pair at a time (bench/NOTES.md, s10-7).
+  if (cudaError_t err = prepare_backward<T, D>(args, p, config::KV_ROWS, BACKWARD_GROUP_L2_BYTES, stream);
+      err != cudaSuccess)
     return err;
   static_assert(sizeof(split_backward_shared<T, D>) + 1024 <= 227 * 1024,
                 "over the 227 KB of shared memory a block may use");

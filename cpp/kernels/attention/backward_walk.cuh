@@ -19,6 +19,10 @@ struct BackwardArgs {
   int pairs_per_group;        // (batch, KV head) pairs whose blocks interleave; see key_block_of
 };
 
+// The L2 budget of a group of (batch, KV head) pairs whose blocks interleave (key_block_of):
+// their Q, dO and dQ accumulator fill at most 32 MB of the 50 MB L2 (s10-7).
+constexpr size_t BACKWARD_GROUP_L2_BYTES = size_t(32) << 20;
+
 // The tensor maps of `args` for element type T, and dq_accum zeroed on `stream`. Groups of
 // (batch, KV head) pairs (key_block_of) hold at most `group_l2_bytes` of Q, dO and dQ
 // accumulator; 0 makes every group one pair.
