@@ -14,6 +14,9 @@ measurements (session 20)."""
 import argparse
 import heapq
 
+from tk_jax.bench.__main__ import parse_int_list
+from tk_jax.bench.attention import make_configs
+
 
 def grouped(runs, pairs, group):
     """(position, pair) in launch order: pairs in groups, position-major inside a group."""
@@ -34,12 +37,13 @@ def makespan_over_mean(works, sms):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d", type=int, default=128)
-    parser.add_argument("--t", default="8k")
+    parser.add_argument("--t", type=parse_int_list, default=[8192])
     parser.add_argument("--sms", type=int, default=132)
     parser.add_argument("--overhead", type=float, default=2.0, help="a block's fixed cost, in key tiles")
     args = parser.parse_args()
-    t = int(args.t[:-1]) * 1024 if args.t.lower().endswith("k") else int(args.t)
-    batch, heads = max(1, 16384 // t), 2048 // args.d  # the bench grid's shapes
+    configs = make_configs(args.t[:1], (args.d,), (True,), (False,))  # the bench grid's shapes
+    assert configs, f"T={args.t[0]}, D={args.d} is not a bench grid shape"
+    t, batch, heads = configs[0].t, configs[0].batch, configs[0].heads
     q_rows = 192 if args.d == 64 and t > 2048 else 128  # the launcher's consumers (forward_consumers)
     kv = 64 if args.d == 256 else 128
     runs, pairs = -(-t // q_rows), batch * heads

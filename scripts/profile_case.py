@@ -13,18 +13,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from tk_jax import _ext, _kernels
+from tk_jax.bench.__main__ import parse_int_list
+from tk_jax.bench.attention import make_configs
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--d", type=int, default=128)
-parser.add_argument("--t", default="4k", help="sequence length, e.g. 4096 or 4k")
+parser.add_argument("--t", type=parse_int_list, default=[4096], help="sequence length, e.g. 4096 or 4k")
 parser.add_argument("--causal", action="store_true")
 parser.add_argument("--pass", dest="which", choices=["fwd", "bwd"], default="bwd")
 args = parser.parse_args()
 
 ok, why = _ext.kernels_available()
 assert ok, why
-t = int(args.t[:-1]) * 1024 if args.t.lower().endswith("k") else int(args.t)
-batch, heads = max(1, 16384 // t), 2048 // args.d
+configs = make_configs(args.t[:1], (args.d,), (args.causal,), (False,))
+assert configs, f"T={args.t[0]}, D={args.d} is not a bench grid shape"
+t, batch, heads = configs[0].t, configs[0].batch, configs[0].heads
 rng = np.random.default_rng()
 q, k, v, dout = (jnp.asarray(rng.standard_normal((batch, t, heads, args.d)), jnp.bfloat16) for _ in range(4))
 kw = dict(scale=1 / math.sqrt(args.d), window_left=-1, window_right=0 if args.causal else -1)
