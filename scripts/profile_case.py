@@ -4,7 +4,12 @@
 
 The shape follows the bench grid (B * T = 16384 tokens, Hq * D = 2048); random bf16 inputs.
 `--pass fwd` profiles the forward kernel, `bwd` (the default) the backward's. Warm-up runs
-the same call twice first, so skip those launches (`--launch-skip 2` above)."""
+the same call twice first, so skip those launches (`--launch-skip 2` above).
+
+`--contender cudnn` (or any bench contender, e.g. fa3) runs that contender's jitted forward,
+or forward and backward, three times instead, to profile a peer's kernels beside ours:
+
+    ncu -k regex:bprop --launch-skip 2 -c 1 python3 scripts/profile_case.py --contender cudnn"""
 import argparse
 import math
 
@@ -14,6 +19,7 @@ import numpy as np
 
 from tk_jax import _ext, _kernels
 from tk_jax.bench.__main__ import parse_int_list
+from tk_jax.bench import attention
 from tk_jax.bench.attention import make_configs
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -21,7 +27,24 @@ parser.add_argument("--d", type=int, default=128)
 parser.add_argument("--t", type=parse_int_list, default=[4096], help="sequence length, e.g. 4096 or 4k")
 parser.add_argument("--causal", action="store_true")
 parser.add_argument("--pass", dest="which", choices=["fwd", "bwd"], default="bwd")
+parser.add_argument("--contender", default="tk",
+                    help="tk (our kernels, called directly) or a bench contender name, e.g. cudnn")
 args = parser.parse_args()
+
+if args.contender != "tk":
+    named = {c.name: c for c in attention.contenders("kernel")}
+    if args.contender not in named:
+        parser.error(f"--contender: unknown {args.contender!r}; the bench knows {sorted(named)}")
+    peer = named[args.contender]
+    if (why_not := peer.unavailable()) is not None:
+        parser.error(f"--contender {args.contender}: {why_not}")
+    configs = make_configs(args.t[:1], (args.d,), (args.causal,), (args.which == "bwd",))
+    assert configs, f"T={args.t[0]}, D={args.d} is not a bench grid shape"
+    runner = peer.prepare(configs[0])
+    for i in range(3):  # two warm-up calls, then the profiled one
+        runner.clock.sync(runner.call(i % runner.n_sets))
+    print(f"profiled: {args.contender} {configs[0].label()}")
+    raise SystemExit(0)
 
 ok, why = _ext.kernels_available()
 assert ok, why
