@@ -2,10 +2,14 @@
 
 Each of `sms` SMs runs one block at a time; blocks start in launch order on the SM that frees
 first; a block's time is its key tiles (the band it sees) plus a fixed start-up and write-out.
-Prints, per shape, the last SM's finish over the mean (1.00 = perfectly even) for the plain
-forward grid in the pair-after-pair order (main's) and in groups of pairs, position-major inside
-a group (the backward's key_block_of order; branch exp/forward-plain-groups gives it to the
-forward, with the group rule below):
+Prints, per shape, the last SM's finish over the mean (1.00 = perfectly even) and the time
+against main's order for three ways of running the forward's query blocks:
+- pair after pair: main's plain grid, each (batch, head) pair's heaviest query block first;
+- groups of pairs, position-major inside a group (block_order's order in the backward;
+  session 21 timed it for the forward and did not keep it);
+- paired items: half as many blocks as query blocks, each a query block and its mirror, whose
+  second item costs --second-overhead tiles on top of its tiles (branch
+  exp/forward-paired-items, not yet timed):
 
     python3 scripts/balance_model.py --d 128 --t 8k
 
@@ -27,11 +31,11 @@ def grouped(runs, pairs, group):
     return order
 
 
-def makespan_over_mean(works, sms):
+def makespan(works, sms):
     finish = [0.0] * sms
     for w in works:
         heapq.heappush(finish, heapq.heappop(finish) + w)
-    return max(finish) / (sum(works) / sms)
+    return max(finish)
 
 
 def main():
@@ -41,6 +45,8 @@ def main():
     parser.add_argument("--sms", type=int, default=132)
     parser.add_argument("--overhead", type=float, default=3.0,
                         help="a block's fixed cost, in key tiles (D=128 traced: 3.1, s21-10)")
+    parser.add_argument("--second-overhead", type=float, default=2.0,
+                        help="the fixed cost of a paired block's second item, in key tiles")
     args = parser.parse_args()
     configs = make_configs(args.t[:1], (args.d,), (True,), (False,))  # the bench grid's shapes
     assert configs, f"T={args.t[0]}, D={args.d} is not a bench grid shape"
@@ -49,16 +55,28 @@ def main():
     kv = 64 if args.d == 256 else 128
     runs, pairs = -(-t // q_rows), batch * heads
 
-    def works(group):  # position 0 is the heaviest query block (the last one under a causal mask)
-        return [min(t, (runs - pos) * q_rows) / kv + args.overhead for pos, _ in grouped(runs, pairs, group)]
+    def tiles(pos):  # position 0 is the heaviest query block (the last one under a causal mask)
+        return min(t, (runs - pos) * q_rows) / kv
+
+    def works(group):
+        return [tiles(pos) + args.overhead for pos, _ in grouped(runs, pairs, group)]
+
+    def paired_works():  # block b: items b and items - 1 - b of the pair-major, heaviest-first list
+        items = grouped(runs, pairs, 1)
+        half = (len(items) + 1) // 2
+        return [tiles(items[b][0]) + args.overhead
+                + (tiles(items[-1 - b][0]) + args.second_overhead if len(items) - 1 - b > b else 0)
+                for b in range(half)]
 
     group = 1
     while group < pairs and group * runs < 2 * args.sms:
         group *= 2
+    base = makespan(works(1), args.sms)
     print(f"D={args.d} T={t} B={batch} H={heads}: {runs} query blocks a pair, {pairs} pairs")
-    print(f"  pair after pair:         {makespan_over_mean(works(1), args.sms):.3f}")
-    print(f"  groups of {group:3d} (the rule): {makespan_over_mean(works(group), args.sms):.3f}")
-
+    for name, w in (("pair after pair", works(1)), (f"groups of {group} pairs", works(group)),
+                    ("paired items", paired_works())):
+        span = makespan(w, args.sms)
+        print(f"  {name:18s} last SM / mean {span / (sum(w) / args.sms):.3f}, time {span / base:.3f}")
 
 if __name__ == "__main__":
     main()
