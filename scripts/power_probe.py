@@ -14,6 +14,7 @@ The cells are the bench grid's (B * T = 16384 tokens, Hq * D = 2048). Needs nvid
 import argparse
 import csv
 import datetime
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,6 +65,8 @@ def main():
     unknown = [n for n in names if n not in available]
     if unknown:
         parser.error(f"--contenders: unknown {unknown}; the bench knows {sorted(available)}")
+    if shutil.which("nvidia-smi") is None:
+        parser.error("needs nvidia-smi (an NVIDIA GPU machine) to read the SM clock and power")
     causal = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
     configs = attention.make_configs(args.t, args.d, causal, (False,) if args.fwd_only else (True,))
 
