@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from tk_jax.bench import attention
+from tk_jax.bench import Runner, attention, prepare_runner
 from tk_jax.bench.__main__ import parse_int_list
 
 
@@ -78,11 +78,10 @@ def main():
     try:
         for cfg in configs:
             for name in names:
-                why_not = available[name].unavailable()
-                if why_not is not None:
-                    print(f"{cfg.label()} {name}: not run ({why_not})", file=sys.stderr)
+                runner = prepare_runner(available[name], cfg)
+                if not isinstance(runner, Runner):
+                    print(f"{cfg.label()} {name}: not run ({': '.join(runner)})", file=sys.stderr)
                     continue
-                runner = available[name].prepare(cfg)
                 runner.clock.sync(runner.call(0))  # compile and warm up
                 time.sleep(args.idle)
                 t0, t1, calls = run_alone(runner, args.seconds)

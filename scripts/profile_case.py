@@ -19,8 +19,7 @@ import numpy as np
 
 from tk_jax import _ext, _kernels
 from tk_jax.bench.__main__ import parse_int_list
-from tk_jax.bench import attention
-from tk_jax.bench.attention import make_configs
+from tk_jax.bench import Runner, attention, prepare_runner
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--d", type=int, default=128)
@@ -30,17 +29,17 @@ parser.add_argument("--pass", dest="which", choices=["fwd", "bwd"], default="bwd
 parser.add_argument("--contender", default="tk",
                     help="tk (our kernels, called directly) or a bench contender name, e.g. cudnn")
 args = parser.parse_args()
+configs = attention.make_configs(args.t[:1], (args.d,), (args.causal,), (args.which == "bwd",))
+if not configs:
+    parser.error(f"T={args.t[0]}, D={args.d} is not a bench grid shape")
 
 if args.contender != "tk":
     named = {c.name: c for c in attention.contenders("kernel")}
     if args.contender not in named:
         parser.error(f"--contender: unknown {args.contender!r}; the bench knows {sorted(named)}")
-    peer = named[args.contender]
-    if (why_not := peer.unavailable()) is not None:
-        parser.error(f"--contender {args.contender}: {why_not}")
-    configs = make_configs(args.t[:1], (args.d,), (args.causal,), (args.which == "bwd",))
-    assert configs, f"T={args.t[0]}, D={args.d} is not a bench grid shape"
-    runner = peer.prepare(configs[0])
+    runner = prepare_runner(named[args.contender], configs[0], verbose_errors=True)
+    if not isinstance(runner, Runner):
+        parser.error(f"--contender {args.contender}: {': '.join(runner)}")
     for i in range(3):  # two warm-up calls, then the profiled one
         runner.clock.sync(runner.call(i % runner.n_sets))
     print(f"profiled: {args.contender} {configs[0].label()}")
@@ -48,8 +47,6 @@ if args.contender != "tk":
 
 ok, why = _ext.kernels_available()
 assert ok, why
-configs = make_configs(args.t[:1], (args.d,), (args.causal,), (False,))
-assert configs, f"T={args.t[0]}, D={args.d} is not a bench grid shape"
 t, batch, heads = configs[0].t, configs[0].batch, configs[0].heads
 rng = np.random.default_rng()
 q, k, v, dout = (jnp.asarray(rng.standard_normal((batch, t, heads, args.d)), jnp.bfloat16) for _ in range(4))

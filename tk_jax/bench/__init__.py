@@ -140,8 +140,9 @@ def short_error(err: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _prepare(contender: Contender, config: Any, verbose_errors: bool) -> Runner | tuple[str, str]:
-    """The contender's runner for `config`, or (status, reason) when there is none."""
+def prepare_runner(contender: Contender, config: Any, verbose_errors: bool = False) -> Runner | tuple[str, str]:
+    """The contender's runner for `config`, or (status, reason) when there is none; never raises
+    (a failing peer must not end a run). Also used by scripts/ that time or profile one contender."""
     why_not = contender.unavailable()
     if why_not is not None:
         return UNAVAILABLE, why_not
@@ -187,7 +188,7 @@ def run_interleaved(contenders: list[Contender], config: Any, config_dict: dict,
     `settle_seconds` of unrecorded turns (timing.measure_interleaved), so that all of them run
     in the same state of the card's clocks and power. One outcome per contender, in order;
     never raises (except on Ctrl-C)."""
-    prepared = [_prepare(c, config, verbose_errors) for c in contenders]
+    prepared = [prepare_runner(c, config, verbose_errors) for c in contenders]
     runners = [p for p in prepared if isinstance(p, Runner)]
     failures = [None if isinstance(p, Runner) else p for p in prepared]
     del prepared  # the runners list holds the only references, for _release
