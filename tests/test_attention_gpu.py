@@ -128,6 +128,23 @@ def test_forward_masks_gqa_lengths(hopper, rng, tq, tk, hq, hkv, causal, window,
                    variant=variant)
 
 
+@pytest.mark.parametrize("tq,tk,d,window", [
+    (4200, 4200, 64, None),
+    (4200, 4200, 128, None),
+    (4200, 4200, 256, None),
+    (3000, 5000, 128, (700, 0)),  # a causal sliding window, Tq < Tk
+])
+def test_forward_paired_items(hopper, rng, tq, tk, d, window):
+    """More than 4096 keys under a band with few query blocks a pair: the launcher runs the
+    persistent kernel on half as many blocks as items, each taking a query block and its mirror.
+    9 (batch, head) pairs make the item count odd, so one block takes a single item."""
+    q, k, v = _inputs(rng, 1, tq, tk, 9, 3, d, jnp.bfloat16)
+    if window is None:
+        _check_forward(q, k, v, 1 / math.sqrt(d), -1, 0, causal=True)
+    else:
+        _check_forward(q, k, v, 1 / math.sqrt(d), window[0], window[1], window_size=window)
+
+
 def test_forward_is_deterministic(hopper, rng):
     q, k, v = _inputs(rng, 2, 1000, 1000, 4, 4, 128, jnp.bfloat16)
     o1, lse1 = _kernel_forward(q, k, v, causal=True)

@@ -298,10 +298,24 @@ cudaError_t launch_wgmma_forward_with(const ForwardParams& p, cudaStream_t strea
       !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, config::KV_ROWS))
     return cudaErrorInvalidValue;
   const int smem = int(sizeof(wgmma_forward_shared<T, D, C>)) + 1024;
+  int sms = 0;
+  if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
+  const int items = forward_items<config::Q_ROWS>(p);
   if (p.seq_k <= config::PERSISTENT_MAX_KEYS) {
-    int sms = 0;
-    if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
-    const dim3 grid(std::min(forward_items<config::Q_ROWS>(p), sms));
+    const dim3 grid(std::min(items, sms));
+    return launch_with_shared<persistent_forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
+  }
+  // Under a band, where a (batch, head) pair has at most half as many query blocks as the card
+  // has SMs, one block a query block ends unevenly: the next pairs' heaviest blocks start while
+  // the last pairs' lightest run (5.6% at D=128 causal 8k in scripts/balance_model.py, 5.7% in
+  // a per-block trace, s21-10), and each block pays ~3 tiles of start-up and write-out. The
+  // persistent kernel on half as many blocks as items gives block b items b and
+  // items - 1 - b (walk_items): a heavy query block and its mirror, so every block has the same
+  // work, the second item's loads start while the first is computed, and the hardware still
+  // hands blocks to SMs as they free up. Longer pairs: the plain grid (pairing them costs more
+  // in the last wave than it saves, in the model).
+  if (p.window_right >= 0 && 2 * query_blocks<config::Q_ROWS>(p) <= sms) {
+    const dim3 grid((items + 1) / 2);
     return launch_with_shared<persistent_forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
   }
   const dim3 grid(query_blocks<config::Q_ROWS>(p), p.heads_q, p.batch);
