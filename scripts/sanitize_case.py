@@ -27,8 +27,9 @@ for d in (64, 128, 256) if "attention" in which else ():
     jax.block_until_ready(_kernels.attention_bwd(q, k, v, o, lse, jnp.ones_like(o), **kw))
     jax.block_until_ready((o, lse))
     # Unmasked, the D=64 forward runs three consumer warpgroups and the backward has no masked
-    # tile but the key tail; more than 4096 keys take the forward's plain grid (the cases above
-    # run its persistent grid).
+    # tile but the key tail; more than 4096 keys take the forward's plain grid unmasked, and
+    # under the causal mask the persistent kernel on half as many blocks as items, two items a
+    # block (the cases above run the persistent grid of at most one block an SM).
     full = dict(kw, window_right=-1)
     o_full, lse_full = _kernels.attention_fwd(q, k, v, variant="wgmma", **full)
     jax.block_until_ready(_kernels.attention_bwd(q, k, v, o_full, lse_full, jnp.ones_like(o_full), **full))
