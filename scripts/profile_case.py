@@ -9,7 +9,10 @@ the same call twice first, so skip those launches (`--launch-skip 2` above).
 `--contender cudnn` (or any bench contender, e.g. fa3) runs that contender's jitted forward,
 or forward and backward, three times instead, to profile a peer's kernels beside ours:
 
-    ncu -k regex:bprop --launch-skip 2 -c 1 python3 scripts/profile_case.py --contender cudnn"""
+    ncu -k regex:bprop --launch-skip 2 -c 1 python3 scripts/profile_case.py --contender cudnn
+
+`--jitted` does the same for tk_jax: the bench's jitted call, so that the profile holds every
+kernel of the step (XLA's preparation and dQ cast around ours), as a training step runs them."""
 import argparse
 import math
 
@@ -28,12 +31,14 @@ parser.add_argument("--causal", action="store_true")
 parser.add_argument("--pass", dest="which", choices=["fwd", "bwd"], default="bwd")
 parser.add_argument("--contender", default="tk",
                     help="tk (our kernels, called directly) or a bench contender name, e.g. cudnn")
+parser.add_argument("--jitted", action="store_true",
+                    help="with --contender tk: the bench's jitted call (every kernel of the step)")
 args = parser.parse_args()
 configs = attention.make_configs(args.t[:1], (args.d,), (args.causal,), (args.which == "bwd",))
 if not configs:
     parser.error(f"T={args.t[0]}, D={args.d} is not a bench grid shape")
 
-if args.contender != "tk":
+if args.contender != "tk" or args.jitted:
     named = {c.name: c for c in attention.contenders("kernel")}
     if args.contender not in named:
         parser.error(f"--contender: unknown {args.contender!r}; the bench knows {sorted(named)}")
