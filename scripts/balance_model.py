@@ -4,17 +4,20 @@ Each of `sms` SMs runs one block at a time; blocks start in launch order on the 
 first; a block's time is its key tiles (the band it sees) plus a fixed start-up and write-out.
 Prints, per shape, the last SM's finish over the mean (1.00 = perfectly even) and the time
 against main's order for three ways of running the forward's query blocks:
-- pair after pair: main's plain grid, each (batch, head) pair's heaviest query block first;
+- pair after pair: the plain grid, each (batch, head) pair's heaviest query block first
+  (main's order for pairs with more than sms/2 query blocks);
 - groups of pairs, position-major inside a group (block_order's order in the backward;
   session 21 timed it for the forward and did not keep it);
 - paired items: half as many blocks as query blocks, each a query block and its mirror, whose
-  second item costs --second-overhead tiles on top of its tiles (branch
-  exp/forward-paired-items, not yet timed):
+  second item costs --second-overhead tiles on top of its tiles (main's order under a band
+  with more than 4096 keys and at most sms/2 query blocks a pair since session 22; measured
+  at causal 8k, s22-1: D=256 +6.4% against the model's +7.7..+9.3%, D=128 +0.5% against
+  +2.1..+5.1%, D=64 -1.1% against +0.5..+1.9%):
 
     python3 scripts/balance_model.py --d 128 --t 8k
 
 The model ignores L2, clocks and how wgmma work overlaps; bench/NOTES.md compares it with
-measurements (sessions 20 and 21; a per-block trace in s21-10 agrees at D=128 causal 8k)."""
+measurements (sessions 20-22; a per-block trace in s21-10 agrees at D=128 causal 8k)."""
 import argparse
 import heapq
 
