@@ -137,7 +137,8 @@ def test_forward_masks_gqa_lengths(hopper, rng, tq, tk, hq, hkv, causal, window,
 def test_forward_paired_items(hopper, rng, tq, tk, d, window):
     """More than 4096 keys under a band with few query blocks a pair: the launcher runs the
     persistent kernel on half as many blocks as items, each taking a query block and its mirror.
-    9 (batch, head) pairs make the item count odd, so one block takes a single item."""
+    With 9 (batch, head) pairs the item count is odd at D=128/256 (33 query blocks of 128 rows
+    each), so one block takes a single item; at D=64 (192-row blocks) it is even."""
     q, k, v = _inputs(rng, 1, tq, tk, 9, 3, d, jnp.bfloat16)
     if window is None:
         _check_forward(q, k, v, 1 / math.sqrt(d), -1, 0, causal=True)
