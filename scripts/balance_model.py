@@ -81,5 +81,6 @@ def main():
         span = makespan(w, args.sms)
         print(f"  {name:18s} last SM / mean {span / (sum(w) / args.sms):.3f}, time {span / base:.3f}")
 
+
 if __name__ == "__main__":
     main()

@@ -26,7 +26,8 @@ from tk_jax.bench.__main__ import parse_int_list
 
 
 def run_alone(runner, seconds: float) -> tuple[float, float, int]:
-    """Calls the runner back to back for `seconds`; returns (start, end, calls) of the second half."""
+    """Calls the runner back to back for `seconds`; returns (start, end, calls) of the second half
+    (of all of it when one batch of calls outlasts `seconds`)."""
     start, half, calls, calls_half = time.time(), None, 0, 0
     while time.time() - start < seconds:
         for _ in range(5):
@@ -35,13 +36,17 @@ def run_alone(runner, seconds: float) -> tuple[float, float, int]:
         runner.clock.sync(out)
         if half is None and time.time() - start >= seconds / 2:
             half, calls_half = time.time(), calls
+    if half is None or calls_half == calls:
+        return start, time.time(), calls
     return half, time.time(), calls - calls_half
 
 
 def read_samples(path: str) -> list[tuple[float, float, float]]:
     """(unix time, SM MHz, W) rows of nvidia-smi's csv, skipping any it could not read."""
     rows = []
-    for r in csv.reader(open(path)):
+    with open(path) as f:
+        lines = list(csv.reader(f))
+    for r in lines:
         try:
             ts = datetime.datetime.strptime(r[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
             rows.append((ts, float(r[1]), float(r[2])))
@@ -71,9 +76,10 @@ def main():
     configs = attention.make_configs(args.t, args.d, causal, (False,) if args.fwd_only else (True,))
 
     log = tempfile.NamedTemporaryFile(suffix=".csv", delete=False).name
+    log_file = open(log, "w")
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
                             "--format=csv,noheader,nounits", "-lms", "50"],
-                           stdout=open(log, "w"), stderr=subprocess.STDOUT)
+                           stdout=log_file, stderr=subprocess.STDOUT)
     windows = []
     try:
         for cfg in configs:
@@ -93,6 +99,7 @@ def main():
     finally:
         smi.terminate()
         smi.wait()
+        log_file.close()
 
     samples = read_samples(log)
     print("| cell | contender | TFLOP/s | SM MHz (median) | W (median) | TFLOP/s per GHz | TFLOP/s per kW |")
