@@ -16,6 +16,11 @@ against main's order for three ways of running the forward's query blocks:
 
     python3 scripts/balance_model.py --d 128 --t 8k
 
+With --backward it models the causal backward's grid instead: key blocks of 128 keys (at
+D=256 clusters of two 64-key blocks, on sms/2 pairs of SMs), each as long as the 64-row query
+tiles it walks, pair after pair or in the launcher's L2-sized groups of pairs (session 23:
+main's D=256 causal 8k and 16k grids end within 0.1% of even).
+
 The model ignores L2, clocks and how wgmma work overlaps; bench/NOTES.md compares it with
 measurements (sessions 20-22; a per-block trace in s21-10 agrees at D=128 causal 8k)."""
 import argparse
@@ -50,10 +55,13 @@ def main():
                         help="a block's fixed cost, in key tiles (D=128 traced: 3.1, s21-10)")
     parser.add_argument("--second-overhead", type=float, default=2.0,
                         help="the fixed cost of a paired block's second item, in key tiles")
+    parser.add_argument("--backward", action="store_true", help="model the backward's key blocks")
     args = parser.parse_args()
     configs = make_configs(args.t[:1], (args.d,), (True,), (False,))  # the bench grid's shapes
     assert configs, f"T={args.t[0]}, D={args.d} is not a bench grid shape"
     t, batch, heads = configs[0].t, configs[0].batch, configs[0].heads
+    if args.backward:
+        return backward(args, t, batch, heads)
     q_rows = 192 if args.d == 64 and t > 2048 else 128  # the launcher's consumers (forward_consumers)
     kv = 64 if args.d == 256 else 128
     runs, pairs = -(-t // q_rows), batch * heads
@@ -80,6 +88,29 @@ def main():
                     ("paired items", paired_works())):
         span = makespan(w, args.sms)
         print(f"  {name:18s} last SM / mean {span / (sum(w) / args.sms):.3f}, time {span / base:.3f}")
+
+
+def backward(args, t, batch, heads):
+    """The causal backward (launch_backward, launch_split_backward): a unit of 128 keys walks
+    the 64-row query tiles that see them; pairs go one after another or in groups whose Q,
+    dO and dQ accumulator fit BACKWARD_GROUP_L2_BYTES (32 MB), position-major inside.
+    --overhead counts query-tile steps here."""
+    units = args.sms // 2 if args.d == 256 else args.sms  # D=256: clusters of two blocks
+    runs, pairs = -(-t // 128), batch * heads
+    pair_bytes = t * args.d * (2 * 2 + 4)  # Q and dO in bf16, the fp32 accumulator (MHA)
+    l2_group = max(1, min(pairs, (32 << 20) // pair_bytes))
+
+    def works(order):
+        return [t // 64 - 2 * pos + args.overhead for pos, _ in order]
+
+    base = makespan(works(grouped(runs, pairs, 1)), units)
+    print(f"backward D={args.d} T={t} B={batch} H={heads}: {runs} key units a pair, {pairs} pairs, "
+          f"{units} SMs{' (pairs)' if args.d == 256 else ''}")
+    every = works(grouped(runs, pairs, 1))
+    for name, w in (("pair after pair", every), (f"L2 groups of {l2_group} pairs", works(grouped(runs, pairs, l2_group))),
+                    ("longest first (LPT)", sorted(every, reverse=True))):
+        span = makespan(w, units)
+        print(f"  {name:22s} last SM / mean {span / (sum(w) / units):.3f}, time {span / base:.3f}")
 
 
 if __name__ == "__main__":
