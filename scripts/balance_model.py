@@ -46,6 +46,16 @@ def makespan(works, sms):
     return max(finish)
 
 
+def report(orders, sms):
+    """One line per (name, block works) in `orders`: the last SM's finish over the mean, and the
+    time against the first order's."""
+    base = makespan(orders[0][1], sms)
+    width = max(len(name) for name, _ in orders)
+    for name, w in orders:
+        span = makespan(w, sms)
+        print(f"  {name:{width}s} last SM / mean {span / (sum(w) / sms):.3f}, time {span / base:.3f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d", type=int, default=128)
@@ -82,12 +92,9 @@ def main():
     group = 1
     while group < pairs and group * runs < 2 * args.sms:
         group *= 2
-    base = makespan(works(1), args.sms)
     print(f"D={args.d} T={t} B={batch} H={heads}: {runs} query blocks a pair, {pairs} pairs")
-    for name, w in (("pair after pair", works(1)), (f"groups of {group} pairs", works(group)),
-                    ("paired items", paired_works())):
-        span = makespan(w, args.sms)
-        print(f"  {name:18s} last SM / mean {span / (sum(w) / args.sms):.3f}, time {span / base:.3f}")
+    report([("pair after pair", works(1)), (f"groups of {group} pairs", works(group)),
+            ("paired items", paired_works())], args.sms)
 
 
 def backward(args, t, batch, heads):
@@ -103,14 +110,11 @@ def backward(args, t, batch, heads):
     def works(order):
         return [t // 64 - 2 * pos + args.overhead for pos, _ in order]
 
-    base = makespan(works(grouped(runs, pairs, 1)), units)
     print(f"backward D={args.d} T={t} B={batch} H={heads}: {runs} key units a pair, {pairs} pairs, "
           f"{units} SMs{' (pairs)' if args.d == 256 else ''}")
     every = works(grouped(runs, pairs, 1))
-    for name, w in (("pair after pair", every), (f"L2 groups of {l2_group} pairs", works(grouped(runs, pairs, l2_group))),
-                    ("longest first (LPT)", sorted(every, reverse=True))):
-        span = makespan(w, units)
-        print(f"  {name:22s} last SM / mean {span / (sum(w) / units):.3f}, time {span / base:.3f}")
+    report([("pair after pair", every), (f"L2 groups of {l2_group} pairs", works(grouped(runs, pairs, l2_group))),
+            ("longest first (LPT)", sorted(every, reverse=True))], units)
 
 
 if __name__ == "__main__":
