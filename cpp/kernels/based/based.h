@@ -17,6 +17,8 @@ enum class DType { bf16, fp16 };
 
 constexpr int FEATURE_DIM = 16;   // q and k have 16 features in Based
 constexpr int NUM_FEATURES = 273; // 1 + 16 + 16 * 16 Taylor features
+constexpr int CHUNK = 64;         // tokens per step of the kernels' sweep over the sequence
+constexpr int V_BLOCK = 64;       // value columns per thread block (dq/dk come in partial sums per block)
 
 struct ForwardParams {
   const void* q;        // [batch, seq, heads, 16]

@@ -12,7 +12,6 @@ namespace tk::based {
 
 using namespace kittens;
 
-constexpr int CHUNK = 64;                         // tokens per step of a sweep over the sequence
 constexpr int FEATURE_TILES = 18;                 // 273 features padded to 18 tiles of 16
 
 // The kernels' feature tiles (register_state.cuh; one formula per 16-feature tile):

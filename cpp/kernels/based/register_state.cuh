@@ -18,7 +18,6 @@ using namespace kittens;
 
 constexpr int STATE_WARPS = 8;
 constexpr int STATE_THREADS = STATE_WARPS * WARP_THREADS;
-constexpr int V_BLOCK = 64;                   // value columns per block
 constexpr int ROW_TILES = CHUNK / 16;         // 16-row tiles of a chunk
 constexpr int OWN_TILES = FEATURE_TILES / 2;  // feature tiles of S per warp
 static_assert(STATE_WARPS == 2 * (V_BLOCK / 16), "warps = column groups x feature halves");
