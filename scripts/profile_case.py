@@ -56,10 +56,10 @@ t, batch, heads = configs[0].t, configs[0].batch, configs[0].heads
 rng = np.random.default_rng()
 q, k, v, dout = (jnp.asarray(rng.standard_normal((batch, t, heads, args.d)), jnp.bfloat16) for _ in range(4))
 kw = dict(scale=1 / math.sqrt(args.d), window_left=-1, window_right=0 if args.causal else -1)
-o, lse = _kernels.attention_fwd(q, k, v, variant="wgmma", **kw)
+o, lse = _kernels.attention_fwd(q, k, v, **kw)
 for _ in range(2 if args.which == "fwd" else 3):  # two warm-up calls (with the one above), then the profiled one
     if args.which == "fwd":
-        jax.block_until_ready(_kernels.attention_fwd(q, k, v, variant="wgmma", **kw))
+        jax.block_until_ready(_kernels.attention_fwd(q, k, v, **kw))
     else:
         jax.block_until_ready(_kernels.attention_bwd(q, k, v, o, lse, dout, **kw))
 print(f"profiled: {args.which} D={args.d} T={t} B={batch} H={heads} causal={args.causal}")

@@ -21,12 +21,7 @@ def attention_kernel_unsupported(q, k, v) -> str | None:
     return None
 
 
-# Forward kernel variants: the Hopper kernel (TMA + wgmma + warp specialisation) and the
-# portable mma.sync kernel, kept to test and time against.
-ATTENTION_VARIANTS = {"wgmma": 0, "mma_sync": 1}
-
-
-def attention_fwd(q, k, v, *, scale: float, window_left: int, window_right: int, variant: str = "wgmma"):
+def attention_fwd(q, k, v, *, scale: float, window_left: int, window_right: int):
     """(o, lse) from the forward kernel. q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D];
     lse [B, Hq, Tq] float32. Under vmap, extra leading axes fold into the batch in C++."""
     *lead, seq_q, heads_q, _ = q.shape
@@ -36,7 +31,7 @@ def attention_fwd(q, k, v, *, scale: float, window_left: int, window_right: int,
     )
     call = jax.ffi.ffi_call("tk_attention_fwd", out_types, vmap_method="broadcast_all")
     return call(q, k, v, scale=np.float32(scale), window_left=np.int64(window_left),
-                window_right=np.int64(window_right), variant=np.int64(ATTENTION_VARIANTS[variant]))
+                window_right=np.int64(window_right))
 
 
 BACKWARD_Q_TILE = 64  # lse and delta rows are padded to this many queries (cpp: BACKWARD_Q_TILE)

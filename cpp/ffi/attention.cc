@@ -17,7 +17,7 @@ ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(
 
 ffi::Error AttentionForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
-                            int64_t window_left, int64_t window_right, int64_t variant) {
+                            int64_t window_left, int64_t window_right) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() < 4 || kd.size() != qd.size() || vd.size() != qd.size())
     return invalid("q, k, v must have the same rank >= 4, got q " + shape_str(q) + ", k " + shape_str(k) +
@@ -60,8 +60,6 @@ ffi::Error AttentionForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   p.window_left = int(window_left);
   p.window_right = int(window_right);
   p.dtype = dtype == ffi::BF16 ? tk::attention::DType::bf16 : tk::attention::DType::fp16;
-  if (variant != 0 && variant != 1) return invalid("variant must be 0 (wgmma) or 1 (mma.sync)");
-  p.version = variant == 0 ? tk::attention::ForwardVersion::wgmma : tk::attention::ForwardVersion::mma_sync;
   if (const char* why = tk::attention::forward_unsupported(p)) return invalid(why);
 
   const cudaError_t err = tk::attention::forward(p, stream);
@@ -183,6 +181,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_fwd, AttentionForward,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<int64_t>("variant"),  // 0: TMA + wgmma, 1: mma.sync
+                                  .Attr<int64_t>("window_right"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -10,10 +10,6 @@ namespace tk::attention {
 
 enum class DType { bf16, fp16 };
 
-// Which forward kernel: the Hopper one (TMA + wgmma, the default) or the portable mma.sync
-// one (kept as a second implementation to test and time against).
-enum class ForwardVersion { wgmma = 0, mma_sync = 1 };
-
 struct ForwardParams {
   const void* q;  // [batch, seq_q, heads_q, head_dim]
   const void* k;  // [batch, seq_k, heads_kv, head_dim]
@@ -26,7 +22,6 @@ struct ForwardParams {
   // a negative bound is unbounded. Causal attention is window_right = 0.
   int window_left, window_right;
   DType dtype;
-  ForwardVersion version = ForwardVersion::wgmma;
 };
 
 // nullptr when the kernel supports `p`, else a sentence saying what is wrong.
