@@ -31,7 +31,7 @@ struct backward_config {
   static constexpr int Q_ROWS = BACKWARD_Q_TILE;
   // Q/dO stages. A stage is freed only once its step's last product (dK += dS^T Q) has read it,
   // so with two the next load had one step's time to land, and consumers waited for it (5% of
-  // the D=128 kernel's stall samples, s15-8). Three fit beside three stats slots at D = 128:
+  // the D=128 kernel's stall samples). Three fit beside three stats slots at D = 128:
   // 227 KB exactly.
   static constexpr int STAGES = 3;
   static constexpr int STATS_STAGES = 3;  // 512 bytes each: the stats warp may run this far ahead
@@ -245,8 +245,8 @@ cudaError_t launch_backward(const BackwardParams& p, cudaStream_t stream) {
   BackwardArgs args{};
   // Under a band the key blocks differ in length, and pairs interleave heaviest first in
   // L2-sized groups (BACKWARD_GROUP_L2_BYTES), so that the last blocks to start are light:
-  // causal fwd+bwd +1-2% at 2k-8k (bench/NOTES.md, s19-3/4). Otherwise one pair per group:
-  // interleaving lost 2-9% on unmasked D = 64 (s10-7).
+  // causal fwd+bwd +1-2% at 2k-8k (bench/NOTES.md). Otherwise one pair per group:
+  // interleaving lost 2-9% on unmasked D = 64.
   const size_t group_l2_bytes = p.window_right >= 0 ? BACKWARD_GROUP_L2_BYTES : 0;
   if (cudaError_t err = prepare_backward<T, D>(args, p, 64, group_l2_bytes, stream); err != cudaSuccess) return err;
   constexpr int smem = int(sizeof(backward_shared<T, D>)) + 1024;

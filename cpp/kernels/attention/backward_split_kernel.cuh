@@ -12,11 +12,11 @@
 // two roles do equal work and no product is computed twice.
 //
 // The fp32 atomic adds into dQ are what bound this kernel: every key block adds a full 64 x 256
-// tile per step into L2 (ncu, s11-2: L2 86% busy; skipping half of them, s11-3: +36%). So blocks
+// tile per step into L2 (ncu: L2 86% busy; skipping half of them: +36%). So blocks
 // run in clusters of two over neighbouring key blocks that walk the same query tiles: block r
 // adds the pair's sum for half of the columns, receiving the partner's part through a
-// shared-memory mailbox (DSMEM), which halves the traffic into L2: fwd+bwd +7-15% (s11-7, s11-9).
-// Each warpgroup owns one chunk and sends one, so both do the same work: +1-6% more (s12-1).
+// shared-memory mailbox (DSMEM), which halves the traffic into L2: fwd+bwd +7-15%.
+// Each warpgroup owns one chunk and sends one, so both do the same work: +1-6% more.
 // The adds go into the accumulator's fragment order (attention.h), so that each reduction
 // request carries whole 128-byte lines.
 #pragma once
@@ -185,7 +185,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       warpgroup::fence_shared_to_async();
       named_barrier_sync(DS_READY_BARRIER, 256);
       // dK's product goes behind dQ's owned chunk: the P warpgroup and the partner block wait
-      // for this role's first send, which then does not wait for dK (+3-5%, s17-6).
+      // for this role's first send, which then does not wait for dK (+3-5%).
       add_dq_half<1>(dq_rows, s.ds[buf], s.k, D / 2, s.dq_mail[1], rank, i,
                      [&] { warpgroup::mma_AB(grad, ds_16, q_tile, true); });  // dK += dS^T Q
     }
@@ -203,7 +203,7 @@ cudaError_t launch_split_backward(const BackwardParams& p, cudaStream_t stream) 
   using config = split_backward_config<D>;
   BackwardArgs args{};
   // Pairs interleave in L2-sized groups (BACKWARD_GROUP_L2_BYTES), masked or not: +3-5% fwd+bwd
-  // at 2k-4k over one pair at a time (bench/NOTES.md, s10-7).
+  // at 2k-4k over one pair at a time (bench/NOTES.md).
   if (cudaError_t err = prepare_backward<T, D>(args, p, config::KV_ROWS, BACKWARD_GROUP_L2_BYTES, stream);
       err != cudaSuccess)
     return err;

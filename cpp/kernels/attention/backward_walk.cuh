@@ -20,7 +20,7 @@ struct BackwardArgs {
 };
 
 // The L2 budget of a group of (batch, KV head) pairs whose blocks interleave (key_block_of):
-// their Q, dO and dQ accumulator fill at most 32 MB of the 50 MB L2 (s10-7).
+// their Q, dO and dQ accumulator fill at most 32 MB of the 50 MB L2.
 constexpr size_t BACKWARD_GROUP_L2_BYTES = size_t(32) << 20;
 
 // The tensor maps of `args` for element type T, and dq_accum zeroed on `stream`. Groups of

@@ -50,8 +50,8 @@ struct forward_config {
   static_assert(STAGES >= 2);
   static constexpr int PRODUCER_REGS = 24;
   static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, CONSUMERS);
-  // Up to this many keys the persistent grid runs. Same-card A/Bs on an H100 (bench/NOTES.md,
-  // session 9): +4-30% up to 2048 keys; at 4096 +4-10% except D=256 unmasked (-3%); at 8k-16k
+  // Up to this many keys the persistent grid runs. Same-card A/Bs on an H100 (bench/NOTES.md):
+  // +4-30% up to 2048 keys; at 4096 +4-10% except D=256 unmasked (-3%); at 8k-16k
   // its static walk falls behind the hardware's scheduling of causal blocks (up to -36%).
   static constexpr int PERSISTENT_MAX_KEYS = 4096;
 };
@@ -280,9 +280,8 @@ __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
 
 // Consumers per block: 3 at D = 64 (192 query rows), where their registers allow it, except
 // for causal or windowed attention over at most 2048 keys, where a 192-row block's masked
-// work at the band's edge outweighs it; else 2. (Same-card A/Bs in bench/NOTES.md: session 9
-// set the limit at 4096 keys in burst-timed rounds; at sustained clocks three consumers gain
-// 2.9% at causal 4k, s19-8.)
+// work at the band's edge outweighs it; else 2. (Same-card A/Bs in bench/NOTES.md: burst-timed
+// rounds set the limit at 4096 keys; at sustained clocks three consumers gain 2.9% at causal 4k.)
 inline int forward_consumers(const ForwardParams& p) {
   const bool banded = p.window_left >= 0 || p.window_right >= 0;
   return p.head_dim == 64 && !(banded && p.seq_k <= 2048) ? 3 : 2;
@@ -309,13 +308,13 @@ cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
   // Under a band, where a (batch, head) pair has at most half as many query blocks as the card
   // has SMs, one block a query block ends unevenly: the next pairs' heaviest blocks start while
   // the last pairs' lightest run (5.6% at D=128 causal 8k in scripts/balance_model.py, 5.7% in
-  // a per-block trace, s21-10), and each block pays ~3 tiles of start-up and write-out. The
+  // a per-block trace), and each block pays ~3 tiles of start-up and write-out. The
   // persistent kernel on half as many blocks as items gives block b items b and
   // items - 1 - b (walk_items): a heavy query block and its mirror, so every block has the same
   // work, the second item's loads start while the first is computed, and the hardware still
   // hands blocks to SMs as they free up. Longer pairs: the plain grid (pairing them costs more
   // in the last wave than it saves, in the model). Causal forward 8k, mirrored same-card
-  // rounds (s22-1): D=256 +6.4%, D=128 +0.5%, D=64 -1.1% (within the rounds' spread).
+  // rounds: D=256 +6.4%, D=128 +0.5%, D=64 -1.1% (within the rounds' spread).
   if (p.window_right >= 0 && 2 * query_blocks<config::Q_ROWS>(p) <= sms) {
     const dim3 grid((items + 1) / 2);
     return launch_with_shared<persistent_forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
