@@ -1,5 +1,5 @@
-"""A small case of every kernel (attention forward and backward, Based forward and
-backward), for running under compute-sanitizer:
+"""A small case of every kernel (attention forward and backward, with and without a gradient of
+lse, Based forward and backward), for running under compute-sanitizer:
 `compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py [attention|based]`
 (both when no argument is given). Odd lengths and GQA so that tails and masks are exercised.
 Tq > Tk: with bottom-right causal alignment the first rows see no key at all, and the backward
@@ -23,7 +23,7 @@ for d in (64, 128, 256) if "attention" in which else ():
     v = jnp.asarray(rng.standard_normal((1, 130, 2, d)), jnp.bfloat16)
     kw = dict(scale=1 / math.sqrt(d), window_left=-1, window_right=0)
     o, lse = _kernels.attention_fwd(q, k, v, **kw)
-    jax.block_until_ready(_kernels.attention_bwd(q, k, v, o, lse, jnp.ones_like(o), **kw))
+    jax.block_until_ready(_kernels.attention_bwd(q, k, v, o, lse, jnp.ones_like(o), jnp.ones_like(lse), **kw))
     jax.block_until_ready((o, lse))
     # Unmasked, the D=64 forward runs three consumer warpgroups and the backward has no masked
     # tile but the key tail; more than 4096 keys take the forward's plain grid unmasked, and

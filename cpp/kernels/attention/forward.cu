@@ -11,7 +11,7 @@ const char* forward_unsupported(const ForwardParams& p) {
   if (p.batch < 1 || p.seq_q < 1 || p.seq_k < 1 || p.heads_q < 1 || p.heads_kv < 1)
     return "batch, sequence lengths and head counts must be >= 1";
   if (p.heads_q % p.heads_kv != 0) return "heads_q must be a multiple of heads_kv";
-  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return "head_dim must be 64, 128 or 256";
+  if (!head_dim_supported(p.head_dim)) return "head_dim must be 64, 128 or 256";
   if (!(std::isfinite(p.scale) && p.scale > 0.f)) return "scale must be finite and > 0";
   if (p.window_left < -1 || p.window_right < -1) return "window bounds must be >= -1";
   if (p.batch > 65535 || p.heads_q > 65535) return "batch and heads_q must be <= 65535";
