@@ -221,3 +221,42 @@ def test_forward_and_gradients_over_lengths(hopper, rng, dtype, d, t):
         got = np.asarray(g.astype(jnp.float32), np.float64)
         assert np.isfinite(got).all(), name
         assert rel_l2(got, r) < 1e-2, (name, rel_l2(got, r))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize(
+    "tq,tk,hq,hkv,causal,window",
+    [
+        (300, 65, 8, 2, True, (-1, -1)),     # Tq > Tk: rows that see no key (lse = -inf)
+        (129, 200, 4, 2, True, (63, -1)),    # causal + left window, GQA, a ragged last query tile
+        (257, 257, 4, 4, False, (31, 17)),   # sliding window
+    ],
+)
+def test_gradients_through_lse(hopper, rng, dtype, d, tq, tk, hq, hkv, causal, window):
+    """return_lse=True and a loss on both o and lse, through the public API under jit: the
+    backward's row statistics take lse's cotangent (delta = scale (rowsum(dO o O) - dlse)).
+    Gradients against float64. The loss leaves out rows that see no key (lse = -inf), so their
+    lse cotangent is 0."""
+    q, k, v = _inputs(rng, 2, tq, tk, hq, hkv, d, dtype)
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    w = rng.standard_normal((2, hq, tq)).astype(np.float32)
+
+    def loss(q, k, v):
+        o, lse = tk_jax.flash_attention(q, k, v, causal=causal, window_size=window, backend="kernel",
+                                        return_lse=True)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w)
+
+    poison_device_memory(8 * (q.nbytes + 2 * k.nbytes))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*(jnp.asarray(x) for x in (q, k, v)))
+    scale = 1 / math.sqrt(d)
+    wl, wr = window[0], 0 if causal else window[1]
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    _, lse_ref = naive_attention(q64, k64, v64, scale, wl, wr)
+    dlse = np.where(np.isfinite(lse_ref), w, 0.0)
+    ref = naive_attention_grads(q64, k64, v64, do.astype(np.float64), scale, wl, wr, dlse=dlse)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert g.dtype == q.dtype, name
+        got = np.asarray(g.astype(jnp.float32), np.float64)
+        assert np.isfinite(got).all(), name
+        assert rel_l2(got, r) < 1e-2, (name, rel_l2(got, r))
