@@ -21,9 +21,8 @@ __global__ void __launch_bounds__(4 * WARP_THREADS) dq_output_kernel(const __gri
   const int q0 = blockIdx.x * BACKWARD_Q_TILE, h = blockIdx.y, b = blockIdx.z, warp = warpid();
   rt_fl<16, D> dq;  // this warp's 16 rows
 #pragma unroll
-  for (int chunk = 0; chunk < D / DQ_CHUNK_COLS; chunk++)
-    load_fragments(dq.template col_slice<DQ_CHUNK_COLS>(chunk * DQ_CHUNK_COLS / 16),
-                   ws.dq_chunk<D>(b, h, q0, chunk) + 16 * DQ_CHUNK_COLS * warp);
+  for (int chunk = 0; chunk < D / 64; chunk++)  // columns 64 chunk ..: base tiles 4 chunk ..
+    load_fragments(dq.template col_slice<64>(4 * chunk), ws.dq_chunk<D>(b, h, q0, chunk) + 16 * 64 * warp);
   store(gl<T>::contiguous((T*)p.dq, p.batch, p.seq_q, p.heads_q, D), dq, {b, h, q0 + 16 * warp});
 }
 

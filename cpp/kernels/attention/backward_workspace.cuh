@@ -21,9 +21,8 @@
 
 namespace tk::attention {
 
-// Query rows per step of the backward's walk: one dQ chunk's rows, one tile of lse2 and delta.
+// Query rows per step of the backward's walk: the rows of a dQ chunk, a tile of lse2 and delta.
 constexpr int BACKWARD_Q_TILE = 64;
-constexpr int DQ_CHUNK_COLS = 64;
 
 struct backward_workspace {
   float* dq_accum;
@@ -53,7 +52,7 @@ struct backward_workspace {
   template <int D>
   __device__ __forceinline__ float* dq_chunk(int b, int h, int q0, int chunk) const {
     const int64_t tile = (int64_t(b) * heads_q + h) * (seq_q_padded / BACKWARD_Q_TILE) + q0 / BACKWARD_Q_TILE;
-    return dq_accum + (tile * (D / DQ_CHUNK_COLS) + chunk) * (BACKWARD_Q_TILE * DQ_CHUNK_COLS);
+    return dq_accum + (tile * (D / 64) + chunk) * (BACKWARD_Q_TILE * 64);
   }
 };
 
