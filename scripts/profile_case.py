@@ -12,7 +12,8 @@ or forward and backward, three times instead, to profile a peer's kernels beside
     ncu -k regex:bprop --launch-skip 2 -c 1 python3 scripts/profile_case.py --contender cudnn
 
 `--jitted` does the same for tk_jax: the bench's jitted call, so that the profile holds every
-kernel of the step (XLA's preparation and dQ cast around ours), as a training step runs them."""
+kernel of the step (the backward's row statistics and dq passes too), as a training step runs
+them."""
 import argparse
 import math
 
