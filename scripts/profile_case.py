@@ -12,7 +12,8 @@ or forward and backward, three times instead, to profile a peer's kernels beside
     ncu -k regex:bprop --launch-skip 2 -c 1 python3 scripts/profile_case.py --contender cudnn
 
 `--jitted` does the same for tk_jax: the bench's jitted call, so that the profile holds every
-kernel of the step (XLA's preparation and dQ cast around ours), as a training step runs them."""
+kernel of the step (the backward's row statistics and dq passes too), as a training step runs
+them."""
 import argparse
 import math
 
@@ -56,10 +57,10 @@ t, batch, heads = configs[0].t, configs[0].batch, configs[0].heads
 rng = np.random.default_rng()
 q, k, v, dout = (jnp.asarray(rng.standard_normal((batch, t, heads, args.d)), jnp.bfloat16) for _ in range(4))
 kw = dict(scale=1 / math.sqrt(args.d), window_left=-1, window_right=0 if args.causal else -1)
-o, lse = _kernels.attention_fwd(q, k, v, variant="wgmma", **kw)
+o, lse = _kernels.attention_fwd(q, k, v, **kw)
 for _ in range(2 if args.which == "fwd" else 3):  # two warm-up calls (with the one above), then the profiled one
     if args.which == "fwd":
-        jax.block_until_ready(_kernels.attention_fwd(q, k, v, variant="wgmma", **kw))
+        jax.block_until_ready(_kernels.attention_fwd(q, k, v, **kw))
     else:
         jax.block_until_ready(_kernels.attention_bwd(q, k, v, o, lse, dout, **kw))
 print(f"profiled: {args.which} D={args.d} T={t} B={batch} H={heads} causal={args.causal}")

@@ -1,5 +1,5 @@
-"""A small case of every kernel (attention forward variants and backward, Based forward and
-backward), for running under compute-sanitizer:
+"""A small case of every kernel (attention forward and backward, with and without a gradient of
+lse, Based forward and backward), for running under compute-sanitizer:
 `compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py [attention|based]`
 (both when no argument is given). Odd lengths and GQA so that tails and masks are exercised.
 Tq > Tk: with bottom-right causal alignment the first rows see no key at all, and the backward
@@ -22,20 +22,19 @@ for d in (64, 128, 256) if "attention" in which else ():
     k = jnp.asarray(rng.standard_normal((1, 130, 2, d)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((1, 130, 2, d)), jnp.bfloat16)
     kw = dict(scale=1 / math.sqrt(d), window_left=-1, window_right=0)
-    for variant in _kernels.ATTENTION_VARIANTS if d <= 128 else ("wgmma",):  # mma_sync: 64, 128
-        o, lse = _kernels.attention_fwd(q, k, v, variant=variant, **kw)
-    jax.block_until_ready(_kernels.attention_bwd(q, k, v, o, lse, jnp.ones_like(o), **kw))
+    o, lse = _kernels.attention_fwd(q, k, v, **kw)
+    jax.block_until_ready(_kernels.attention_bwd(q, k, v, o, lse, jnp.ones_like(o), jnp.ones_like(lse), **kw))
     jax.block_until_ready((o, lse))
     # Unmasked, the D=64 forward runs three consumer warpgroups and the backward has no masked
     # tile but the key tail; more than 4096 keys take the forward's plain grid unmasked, and
     # under the causal mask the persistent kernel on half as many blocks as items, two items a
     # block (the cases above run the persistent grid of at most one block an SM).
     full = dict(kw, window_right=-1)
-    o_full, lse_full = _kernels.attention_fwd(q, k, v, variant="wgmma", **full)
+    o_full, lse_full = _kernels.attention_fwd(q, k, v, **full)
     jax.block_until_ready(_kernels.attention_bwd(q, k, v, o_full, lse_full, jnp.ones_like(o_full), **full))
     k_long, v_long = (jnp.asarray(rng.standard_normal((1, 4100, 2, d)), jnp.bfloat16) for _ in range(2))
     for kw_long in (kw, full):
-        jax.block_until_ready(_kernels.attention_fwd(q[:, :70], k_long, v_long, variant="wgmma", **kw_long))
+        jax.block_until_ready(_kernels.attention_fwd(q[:, :70], k_long, v_long, **kw_long))
 for dv in (64, 128) if "based" in which else ():  # Based: two chunks, the second partial; a random initial state
     qk_shape, v_shape = (1, 77, 2, 16), (1, 77, 2, dv)
     q, k = (jnp.asarray(0.5 * rng.standard_normal(qk_shape), jnp.bfloat16) for _ in range(2))

@@ -21,17 +21,8 @@ def _inputs(rng, b, tq, tk, hq, hkv, d, dtype):
     return q, k, v
 
 
-def _kernel_forward(q, k, v, variant=None, **kw):
-    if variant is None:  # through the public API (the default kernel)
-        fn = jax.jit(lambda q, k, v: tk_jax.flash_attention(q, k, v, backend="kernel", return_lse=True, **kw))
-    else:  # one kernel variant directly
-        from tk_jax import _kernels
-
-        wl, wr = kw.get("window_size", (-1, -1))
-        wr = 0 if kw.get("causal") else wr
-        scale = kw.get("softmax_scale") or 1 / math.sqrt(q.shape[-1])
-        fn = jax.jit(lambda q, k, v: _kernels.attention_fwd(q, k, v, scale=scale, window_left=wl,
-                                                              window_right=wr, variant=variant))
+def _kernel_forward(q, k, v, **kw):
+    fn = jax.jit(lambda q, k, v: tk_jax.flash_attention(q, k, v, backend="kernel", return_lse=True, **kw))
     poison_device_memory(2 * (q.size * q.dtype.itemsize + q.size // q.shape[-1] * 4))
     o, lse = fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     return np.asarray(o.astype(jnp.float32)), np.asarray(lse)
@@ -53,34 +44,26 @@ def _check_forward(q, k, v, scale, wl, wr, **kw):
 # 3001: the D=64 forward's persistent grid with three consumers under a causal mask.
 @pytest.mark.parametrize("t", [1, 100, 1024, 3001, 4097])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("variant", ["wgmma", "mma_sync"])
-def test_forward_matches_reference(hopper, rng, dtype, d, t, causal, variant):
+def test_forward_matches_reference(hopper, rng, dtype, d, t, causal):
     b, h = (2, 2) if t <= 1024 else (1, 2)
     q, k, v = _inputs(rng, b, t, t, h, h, d, dtype)
-    if d == 256 and variant == "mma_sync":  # that variant has no head-dim-256 instance
-        with pytest.raises(Exception, match="mma_sync forward variant supports head_dim 64 and 128"):
-            _kernel_forward(q, k, v, causal=causal, variant=variant)
-        return
-    _check_forward(q, k, v, 1 / math.sqrt(d), -1, 0 if causal else -1, causal=causal, variant=variant)
+    _check_forward(q, k, v, 1 / math.sqrt(d), -1, 0 if causal else -1, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("growth", [0.02, 0.05, -0.05])
-@pytest.mark.parametrize("variant", ["wgmma", "mma_sync"])
-def test_forward_with_climbing_scores(hopper, rng, dtype, d, causal, growth, variant):
+def test_forward_with_climbing_scores(hopper, rng, dtype, d, causal, growth):
     """Scores that climb (or fall) by `growth` per key on top of random ones: each row's running
     max grows by 1-6 units per key tile, so the online softmax both rescales O and keeps a
     stale max (probabilities up to 2^8 against it) from tile to tile; O and lse must still
     match the reference."""
-    if d == 256 and variant == "mma_sync":
-        pytest.skip("the mma_sync variant has no head-dim-256 instance")
     t = 1000
     q, k, v = _inputs(rng, 1, t, t, 2, 2, d, dtype)
     q[..., 0] = 8
     k[..., 0] = (growth * np.arange(t) * math.sqrt(d) / 8)[None, :, None]  # score += growth * key index
-    _check_forward(q, k, v, 1 / math.sqrt(d), -1, 0 if causal else -1, causal=causal, variant=variant)
+    _check_forward(q, k, v, 1 / math.sqrt(d), -1, 0 if causal else -1, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -117,15 +100,11 @@ def test_head_dim_256_forward_kernel_and_gradients(hopper, rng, dtype):
     ],
 )
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("variant", ["wgmma", "mma_sync"])
-def test_forward_masks_gqa_lengths(hopper, rng, tq, tk, hq, hkv, causal, window, scale, d, variant):
-    if d == 256 and variant == "mma_sync":
-        pytest.skip("the mma_sync forward supports head_dim 64 and 128 only")
+def test_forward_masks_gqa_lengths(hopper, rng, tq, tk, hq, hkv, causal, window, scale, d):
     q, k, v = _inputs(rng, 2, tq, tk, hq, hkv, d, jnp.bfloat16)
     s = scale if scale is not None else 1 / math.sqrt(d)
     wr = 0 if causal else window[1]
-    _check_forward(q, k, v, s, window[0], wr, causal=causal, window_size=window, softmax_scale=scale,
-                   variant=variant)
+    _check_forward(q, k, v, s, window[0], wr, causal=causal, window_size=window, softmax_scale=scale)
 
 
 @pytest.mark.parametrize("tq,tk,d,window", [
@@ -237,6 +216,45 @@ def test_forward_and_gradients_over_lengths(hopper, rng, dtype, d, t):
     o_ref, _ = naive_attention(*(x.astype(np.float64) for x in (q, k, v)), scale, -1, wr)
     assert rel_l2(np.asarray(o.astype(jnp.float32)), o_ref) < 1e-2
     ref = naive_attention_grads(*(x.astype(np.float64) for x in (q, k, v, do)), scale, -1, wr)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert g.dtype == q.dtype, name
+        got = np.asarray(g.astype(jnp.float32), np.float64)
+        assert np.isfinite(got).all(), name
+        assert rel_l2(got, r) < 1e-2, (name, rel_l2(got, r))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize(
+    "tq,tk,hq,hkv,causal,window",
+    [
+        (300, 65, 8, 2, True, (-1, -1)),     # Tq > Tk: rows that see no key (lse = -inf)
+        (129, 200, 4, 2, True, (63, -1)),    # causal + left window, GQA, a ragged last query tile
+        (257, 257, 4, 4, False, (31, 17)),   # sliding window
+    ],
+)
+def test_gradients_through_lse(hopper, rng, dtype, d, tq, tk, hq, hkv, causal, window):
+    """return_lse=True and a loss on both o and lse, through the public API under jit: the
+    backward's row statistics take lse's cotangent (delta = scale (rowsum(dO o O) - dlse)).
+    Gradients against float64. The loss leaves out rows that see no key (lse = -inf), so their
+    lse cotangent is 0."""
+    q, k, v = _inputs(rng, 2, tq, tk, hq, hkv, d, dtype)
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    w = rng.standard_normal((2, hq, tq)).astype(np.float32)
+
+    def loss(q, k, v):
+        o, lse = tk_jax.flash_attention(q, k, v, causal=causal, window_size=window, backend="kernel",
+                                        return_lse=True)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w)
+
+    poison_device_memory(8 * (q.nbytes + 2 * k.nbytes))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*(jnp.asarray(x) for x in (q, k, v)))
+    scale = 1 / math.sqrt(d)
+    wl, wr = window[0], 0 if causal else window[1]
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    _, lse_ref = naive_attention(q64, k64, v64, scale, wl, wr)
+    dlse = np.where(np.isfinite(lse_ref), w, 0.0)
+    ref = naive_attention_grads(q64, k64, v64, do.astype(np.float64), scale, wl, wr, dlse=dlse)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
         assert g.dtype == q.dtype, name
         got = np.asarray(g.astype(jnp.float32), np.float64)

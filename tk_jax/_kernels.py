@@ -8,25 +8,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ATTENTION_HEAD_DIMS = (64, 128, 256)       # the forward and backward kernels
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+
+try:  # the compiled extension: it also tells the facts of the kernels that the calls need
+    from tk_jax import _tk
+except ImportError as err:
+    _tk, _TK_IMPORT_ERROR = None, str(err)
 
 
 def attention_kernel_unsupported(q, k, v) -> str | None:
     """None when the attention kernels handle these inputs, else why not."""
     if q.dtype not in [jnp.dtype(d) for d in KERNEL_DTYPES]:
         return f"the kernel takes bf16 or fp16 inputs, got {q.dtype}"
-    if q.shape[-1] not in ATTENTION_HEAD_DIMS:
-        return f"the kernel supports head_dim in {ATTENTION_HEAD_DIMS}, got {q.shape[-1]}"
+    if _tk is None:
+        return f"the kernel extension tk_jax._tk cannot be imported: {_TK_IMPORT_ERROR}"
+    head_dims = tuple(_tk.attention_head_dims)
+    if q.shape[-1] not in head_dims:
+        return f"the kernel supports head_dim in {head_dims}, got {q.shape[-1]}"
     return None
 
 
-# Forward kernel variants: the Hopper kernel (TMA + wgmma + warp specialisation) and the
-# portable mma.sync kernel, kept to test and time against.
-ATTENTION_VARIANTS = {"wgmma": 0, "mma_sync": 1}
-
-
-def attention_fwd(q, k, v, *, scale: float, window_left: int, window_right: int, variant: str = "wgmma"):
+def attention_fwd(q, k, v, *, scale: float, window_left: int, window_right: int):
     """(o, lse) from the forward kernel. q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D];
     lse [B, Hq, Tq] float32. Under vmap, extra leading axes fold into the batch in C++."""
     *lead, seq_q, heads_q, _ = q.shape
@@ -36,55 +38,34 @@ def attention_fwd(q, k, v, *, scale: float, window_left: int, window_right: int,
     )
     call = jax.ffi.ffi_call("tk_attention_fwd", out_types, vmap_method="broadcast_all")
     return call(q, k, v, scale=np.float32(scale), window_left=np.int64(window_left),
-                window_right=np.int64(window_right), variant=np.int64(ATTENTION_VARIANTS[variant]))
-
-
-BACKWARD_Q_TILE = 64  # lse and delta rows are padded to this many queries (cpp: BACKWARD_Q_TILE)
+                window_right=np.int64(window_right))
 
 
 def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: int, window_right: int):
     """(dq, dk, dv) from the backward kernel, in the dtypes of q, k, v.
 
-    Rank-4 [B, T, H, D] inputs, lse [B, Hq, Tq] (natural log, -inf for rows that saw no key),
-    dlse an optional cotangent of lse. The row statistics the kernel reads per query tile are
-    prepared here in one fused XLA pass, in the units the kernel uses (so it spends no multiply
-    on them): delta = scale * (rowsum(do * o) - dlse), and lse * log2(e) with -inf replaced by
-    +inf (so those rows get P = 0), both padded to a multiple of 64 queries.
+    q, o, do [B, Tq, Hq, D], k, v [B, Tk, Hkv, D], lse [B, Hq, Tq] as attention_fwd returns it,
+    dlse the cotangent of lse or None. For None the call gets zeros: the handler keeps one fixed
+    list of buffers, at a cost of 8 bytes a query row (written, then read) next to the 4 D bytes
+    of do and o it reads anyway. The kernels' scratch memory is one more output of the call,
+    of the size the extension says. Under vmap, extra leading axes fold into the batch in C++
+    (the workspace's size is linear in the batch).
     """
-    seq_q = q.shape[1]
-    pad = (-seq_q) % BACKWARD_Q_TILE
-    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
-    if dlse is not None:
-        delta = delta - dlse
-    delta = delta * np.float32(scale)
-    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse * np.float32(np.log2(np.e)))
-    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, pad)), constant_values=jnp.inf)
-    delta = jnp.pad(delta, ((0, 0), (0, 0), (0, pad)))
-    batch, _, heads_q, head_dim = q.shape
-    tiles = (seq_q + pad) // BACKWARD_Q_TILE  # the accumulator's layout (cpp: dq_accum_floats)
-    dq_shape = (batch, heads_q, tiles, head_dim // 64, BACKWARD_Q_TILE * 64)
+    *lead, seq_q, heads_q, head_dim = q.shape
+    workspace_bytes = _tk.attention_backward_workspace_bytes(math.prod(lead), heads_q, seq_q, head_dim)
     out_types = (
-        jax.ShapeDtypeStruct(dq_shape, jnp.float32),
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8),
     )
+    if dlse is None:
+        dlse = jnp.zeros_like(lse)
     call = jax.ffi.ffi_call("tk_attention_bwd", out_types, vmap_method="broadcast_all")
-    dq, dk, dv = call(q, k, v, do.astype(q.dtype), lse, delta, scale=np.float32(scale),
-                      window_left=np.int64(window_left), window_right=np.int64(window_right))
-    dq = dq_from_fragment_order(dq)[:, :seq_q]
-    return dq.astype(q.dtype), dk, dv
-
-
-def dq_from_fragment_order(acc):
-    """[B, H, T/64, D/64, 4096] -> [B, T, H, D]: undo the order in which the backward kernel's
-    warps stage and add their dQ chunks (cpp: kittens store_fragments, attention.h). A chunk's
-    element (w, j, half, g, t, down, bit) is row 16 w + 8 down + g, column 16 j + 8 half + 2 t +
-    bit of its 64 x 64 block. The transpose is fused with the cast that follows; each 64-byte
-    run (t, down, bit) it reads holds 8 contiguous floats of two output rows."""
-    b, h, tiles, chunks, _ = acc.shape
-    x = acc.reshape(b, h, tiles, chunks, 4, 4, 2, 8, 4, 2, 2)  # b h tile chunk w j half g t down bit
-    x = x.transpose(0, 2, 4, 9, 7, 1, 3, 5, 6, 8, 10)           # b tile w down g h chunk j half t bit
-    return x.reshape(b, tiles * 64, h, chunks * 64)
+    dq, dk, dv, _ = call(q, k, v, o.astype(q.dtype), do.astype(q.dtype), lse, dlse.astype(jnp.float32),
+                         scale=np.float32(scale), window_left=np.int64(window_left),
+                         window_right=np.int64(window_right))
+    return dq, dk, dv
 
 
 BASED_FEATURE_DIM = 16       # q/k features of Based (cpp: tk::based::FEATURE_DIM)

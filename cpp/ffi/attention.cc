@@ -17,7 +17,7 @@ ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument(
 
 ffi::Error AttentionForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
-                            int64_t window_left, int64_t window_right, int64_t variant) {
+                            int64_t window_left, int64_t window_right) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() < 4 || kd.size() != qd.size() || vd.size() != qd.size())
     return invalid("q, k, v must have the same rank >= 4, got q " + shape_str(q) + ", k " + shape_str(k) +
@@ -60,8 +60,6 @@ ffi::Error AttentionForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   p.window_left = int(window_left);
   p.window_right = int(window_right);
   p.dtype = dtype == ffi::BF16 ? tk::attention::DType::bf16 : tk::attention::DType::fp16;
-  if (variant != 0 && variant != 1) return invalid("variant must be 0 (wgmma) or 1 (mma.sync)");
-  p.version = variant == 0 ? tk::attention::ForwardVersion::wgmma : tk::attention::ForwardVersion::mma_sync;
   if (const char* why = tk::attention::forward_unsupported(p)) return invalid(why);
 
   const cudaError_t err = tk::attention::forward(p, stream);
@@ -81,43 +79,36 @@ bool same_dims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
 }
 
 ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                             ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
-                             ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, ffi::Result<ffi::AnyBuffer> dk,
-                             ffi::Result<ffi::AnyBuffer> dv, float scale, int64_t window_left,
-                             int64_t window_right) {
+                             ffi::AnyBuffer o, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
+                             ffi::Buffer<ffi::F32> dlse, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale,
+                             int64_t window_left, int64_t window_right) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() < 4 || kd.size() != qd.size()) return invalid_bwd("q and k must have the same rank >= 4");
   const size_t r = qd.size();
   const auto dtype = q.element_type();
   if (dtype != ffi::BF16 && dtype != ffi::F16) return invalid_bwd("q must be bf16 or fp16");
-  for (const ffi::AnyBuffer* x : {&k, &v, &dout})
-    if (x->element_type() != dtype) return invalid_bwd("q, k, v and dout must share one dtype");
-  if (dk->element_type() != dtype || dv->element_type() != dtype) return invalid_bwd("dk and dv take q's dtype");
+  for (const ffi::AnyBuffer* x : {&k, &v, &o, &dout})
+    if (x->element_type() != dtype) return invalid_bwd("q, k, v, o and dout must share one dtype");
+  if (dq->element_type() != dtype || dk->element_type() != dtype || dv->element_type() != dtype)
+    return invalid_bwd("dq, dk and dv take q's dtype");
   if (!same_dims(v.dimensions(), kd) || !same_dims(dk->dimensions(), kd) || !same_dims(dv->dimensions(), kd))
     return invalid_bwd("k, v, dk and dv must share one shape");
-  if (!same_dims(dout.dimensions(), qd)) return invalid_bwd("q and dout must share one shape");
+  if (!same_dims(o.dimensions(), qd) || !same_dims(dout.dimensions(), qd) || !same_dims(dq->dimensions(), qd))
+    return invalid_bwd("q, o, dout and dq must share one shape");
   for (size_t i = 0; i + 3 < r; i++)
     if (kd[i] != qd[i]) return invalid_bwd("q and k batch dimensions differ");
   if (kd[r - 1] != qd[r - 1]) return invalid_bwd("q and k head_dim differ");
-  const int64_t seq_q = qd[r - 3], padded = (seq_q + tk::attention::BACKWARD_Q_TILE - 1) /
-                                               tk::attention::BACKWARD_Q_TILE * tk::attention::BACKWARD_Q_TILE;
-  for (const auto* x : {&lse, &delta}) {
+  for (const auto* x : {&lse, &dlse}) {
     const auto d = x->dimensions();
-    if (d.size() != r - 1 || d[r - 3] != qd[r - 2] || d[r - 2] != padded)
-      return invalid_bwd("lse and delta must be [..., heads_q, seq_q rounded up to 64]");
+    if (d.size() != r - 1 || d[r - 3] != qd[r - 2] || d[r - 2] != qd[r - 3])
+      return invalid_bwd("lse and dlse must be [..., heads_q, seq_q]");
     for (size_t i = 0; i + 3 < r; i++)
-      if (d[i] != qd[i]) return invalid_bwd("lse and delta batch dimensions differ from q's");
-  }
-  {  // the accumulator's layout (tk::attention::dq_accum_floats)
-    const auto ad = dq_accum->dimensions();
-    const int64_t dim = qd[r - 1];
-    bool ok = ad.size() == r + 1 && ad[r - 3] == qd[r - 2] && ad[r - 2] == padded / tk::attention::BACKWARD_Q_TILE &&
-              ad[r - 1] == dim / 64 && ad[r] == tk::attention::BACKWARD_Q_TILE * 64;
-    for (size_t i = 0; ok && i + 3 < r; i++) ok = ad[i] == qd[i];
-    if (!ok) return invalid_bwd("dq_accum must be [..., heads_q, seq_q rounded up to 64 / 64, head_dim / 64, 4096]");
+      if (d[i] != qd[i]) return invalid_bwd("lse and dlse batch dimensions differ from q's");
   }
   const int64_t batch = leading_product(qd, 3);
-  if (batch > INT32_MAX || seq_q > INT32_MAX || kd[r - 3] > INT32_MAX) return invalid_bwd("dimensions too large");
+  for (const int64_t n : {batch, qd[r - 3], qd[r - 2], qd[r - 1], kd[r - 3]})
+    if (n > INT32_MAX) return invalid_bwd("dimensions too large");
   if (window_left < -1 || window_right < -1 || window_left > INT32_MAX || window_right > INT32_MAX)
     return invalid_bwd("window bounds must be in [-1, 2^31)");
 
@@ -125,23 +116,28 @@ ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   p.q = q.untyped_data();
   p.k = k.untyped_data();
   p.v = v.untyped_data();
+  p.o = o.untyped_data();
   p.dout = dout.untyped_data();
   p.lse = lse.typed_data();
-  p.delta = delta.typed_data();
-  p.dq_accum = dq_accum->typed_data();
+  p.dlse = dlse.typed_data();
+  p.dq = dq->untyped_data();
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
+  p.workspace = workspace->untyped_data();
   p.batch = int(batch);
-  p.seq_q = int(seq_q);
+  p.seq_q = int(qd[r - 3]);
   p.seq_k = int(kd[r - 3]);
   p.heads_q = int(qd[r - 2]);
   p.heads_kv = int(kd[r - 2]);
   p.head_dim = int(qd[r - 1]);
-  p.seq_q_padded = int(padded);
   p.scale = scale;
   p.window_left = int(window_left);
   p.window_right = int(window_right);
   p.dtype = dtype == ffi::BF16 ? tk::attention::DType::bf16 : tk::attention::DType::fp16;
+  const size_t workspace_bytes = tk::attention::backward_workspace_bytes(p.batch, p.heads_q, p.seq_q, p.head_dim);
+  if (workspace->size_bytes() != workspace_bytes)
+    return invalid_bwd("the workspace must hold attention_backward_workspace_bytes(batch, heads_q, seq_q, head_dim) = " +
+                       std::to_string(workspace_bytes) + " bytes, got " + std::to_string(workspace->size_bytes()));
   if (const char* why = tk::attention::backward_unsupported(p)) return invalid_bwd(why);
 
   const cudaError_t err = tk::attention::backward(p, stream);
@@ -155,19 +151,22 @@ ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
 // kCmdBufferCompatible: XLA may record these calls into a CUDA graph and replay it. Safe: the
 // handlers only check shapes, build TMA tensor maps on the host (no stream work) and enqueue
 // kernels / cudaMemsetAsync on the given stream; no host sync, no allocation, no host reads of
-// device data (the dq accumulator is an explicit output). tests/test_command_buffer_gpu.py.
+// device data (the backward's scratch memory is an explicit output, the workspace).
+// tests/test_command_buffer_gpu.py.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_bwd, AttentionBackward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()            // q
                                   .Arg<ffi::AnyBuffer>()            // k
                                   .Arg<ffi::AnyBuffer>()            // v
+                                  .Arg<ffi::AnyBuffer>()            // o
                                   .Arg<ffi::AnyBuffer>()            // dout
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // lse (padded, +inf for empty rows)
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // delta (padded)
-                                  .Ret<ffi::Buffer<ffi::F32>>()     // dq (fp32 accumulator)
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // lse, as the forward returns it
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // dlse, the gradient of lse (or zeros)
+                                  .Ret<ffi::AnyBuffer>()            // dq
                                   .Ret<ffi::AnyBuffer>()            // dk
                                   .Ret<ffi::AnyBuffer>()            // dv
+                                  .Ret<ffi::Buffer<ffi::U8>>()      // workspace
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window_left")
                                   .Attr<int64_t>("window_right"),
@@ -183,6 +182,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_fwd, AttentionForward,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<int64_t>("variant"),  // 0: TMA + wgmma, 1: mma.sync
+                                  .Attr<int64_t>("window_right"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -5,14 +5,19 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 
 namespace tk::attention {
 
 enum class DType { bf16, fp16 };
 
-// Which forward kernel: the Hopper one (TMA + wgmma, the default) or the portable mma.sync
-// one (kept as a second implementation to test and time against).
-enum class ForwardVersion { wgmma = 0, mma_sync = 1 };
+// The head dims the forward and backward kernels are built for.
+constexpr int HEAD_DIMS[] = {64, 128, 256};
+constexpr bool head_dim_supported(int d) {
+  for (int x : HEAD_DIMS)
+    if (x == d) return true;
+  return false;
+}
 
 struct ForwardParams {
   const void* q;  // [batch, seq_q, heads_q, head_dim]
@@ -26,7 +31,6 @@ struct ForwardParams {
   // a negative bound is unbounded. Causal attention is window_right = 0.
   int window_left, window_right;
   DType dtype;
-  ForwardVersion version = ForwardVersion::wgmma;
 };
 
 // nullptr when the kernel supports `p`, else a sentence saying what is wrong.
@@ -36,38 +40,32 @@ const char* forward_unsupported(const ForwardParams& p);
 cudaError_t forward(const ForwardParams& p, cudaStream_t stream);
 
 struct BackwardParams {
-  const void* q;      // [batch, seq_q, heads_q, head_dim]
-  const void* k;      // [batch, seq_k, heads_kv, head_dim]
-  const void* v;      // [batch, seq_k, heads_kv, head_dim]
-  const void* dout;   // [batch, seq_q, heads_q, head_dim], gradient of the output
-  const float* lse;   // [batch, heads_q, seq_q_padded]: lse * log2(e); +inf marks rows that saw no key and padding
-  const float* delta; // [batch, heads_q, seq_q_padded]: scale * (rowsum(dout * o) - dlse), 0 on padding
-  float* dq_accum;    // float32, zeroed and accumulated here; layout: dq_accum_floats below
-  void* dk;           // [batch, seq_k, heads_kv, head_dim], k's dtype (summed over the GQA group)
-  void* dv;           // [batch, seq_k, heads_kv, head_dim]
+  const void* q;       // [batch, seq_q, heads_q, head_dim]
+  const void* k;       // [batch, seq_k, heads_kv, head_dim]
+  const void* v;       // [batch, seq_k, heads_kv, head_dim]
+  const void* o;       // [batch, seq_q, heads_q, head_dim], the forward's output
+  const void* dout;    // [batch, seq_q, heads_q, head_dim], gradient of the output
+  const float* lse;    // [batch, heads_q, seq_q], the forward's (natural log, -inf for rows that see no key)
+  const float* dlse;   // [batch, heads_q, seq_q], gradient of lse (zeros when lse is not differentiated)
+  void* dq;            // [batch, seq_q, heads_q, head_dim], q's dtype
+  void* dk;            // [batch, seq_k, heads_kv, head_dim], k's dtype (summed over the GQA group)
+  void* dv;            // [batch, seq_k, heads_kv, head_dim]
+  void* workspace;     // backward_workspace_bytes(...) bytes, 16-byte aligned; its contents need no setting
   int batch, seq_q, seq_k, heads_q, heads_kv, head_dim;
-  int seq_q_padded;   // seq_q rounded up to a multiple of BACKWARD_Q_TILE
   float scale;
   int window_left, window_right;  // as in ForwardParams
   DType dtype;
 };
 
-// lse and delta rows are padded to a multiple of this many queries.
-constexpr int BACKWARD_Q_TILE = 64;
-
-// The dQ accumulator's layout: [batch, heads_q, seq_q_padded / 64, head_dim / 64, 64 x 64], each
-// 64-query x 64-column chunk in the fragment order of four warps' kittens store_fragments (warp
-// w holds rows 16 w ..; element (w, j, half, g, t, down, bit) is row 16 w + 8 down + g, column
-// 16 j + 8 half + 2 t + bit), so that a chunk is added with one contiguous bulk reduction
-// (head_dim <= 128) or with vector reductions of whole 128-byte lines (head_dim 256), and its
-// stores are conflict-free.
-inline size_t dq_accum_floats(const BackwardParams& p) {
-  return size_t(p.batch) * p.heads_q * p.seq_q_padded * p.head_dim;
-}
+// Bytes of scratch memory the backward needs (what its passes hand each other). Linear in batch:
+// callers that fold extra leading axes into the batch may size it per batch and multiply.
+size_t backward_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seq_q, int64_t head_dim);
 
 const char* backward_unsupported(const BackwardParams& p);
 
-// dq_accum is zeroed on `stream` first; the launches never synchronise.
+// Launches on `stream` only, never synchronises: the row statistics (lse and delta in the
+// kernels' units), the zeroing of the dQ accumulator, the backward kernel, then dq from the
+// accumulator, all in the workspace.
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
 
 }  // namespace tk::attention

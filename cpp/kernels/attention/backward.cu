@@ -1,33 +1,56 @@
-// Checks and dispatch for the attention backward launcher.
+// Checks and dispatch for the attention backward launcher: the row statistics, the zeroed dQ
+// accumulator, the backward kernel for the head dim, then dq out of the accumulator.
 #include <cmath>
+#include <cstdint>
 
 #include "attention.h"
+#include "backward_dq_output_kernel.cuh"
 #include "backward_kernel.cuh"
+#include "backward_row_stats_kernel.cuh"
 #include "backward_split_kernel.cuh"
+#include "backward_workspace.cuh"
 
 namespace tk::attention {
 
+size_t backward_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seq_q, int64_t head_dim) {
+  if (batch < 1 || heads_q < 1 || seq_q < 1 || head_dim < 1) return 0;
+  return backward_workspace::floats(batch, heads_q, seq_q, head_dim) * sizeof(float);
+}
+
 const char* backward_unsupported(const BackwardParams& p) {
-  if (!p.q || !p.k || !p.v || !p.dout || !p.lse || !p.delta || !p.dq_accum || !p.dk || !p.dv)
+  if (!p.q || !p.k || !p.v || !p.o || !p.dout || !p.lse || !p.dlse || !p.dq || !p.dk || !p.dv || !p.workspace)
     return "a buffer pointer is null";
+  if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) return "the workspace must be 16-byte aligned";
   if (p.batch < 1 || p.seq_q < 1 || p.seq_k < 1 || p.heads_q < 1 || p.heads_kv < 1)
     return "batch, sequence lengths and head counts must be >= 1";
   if (p.heads_q % p.heads_kv != 0) return "heads_q must be a multiple of heads_kv";
-  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return "head_dim must be 64, 128 or 256";
-  if (p.seq_q_padded != (p.seq_q + BACKWARD_Q_TILE - 1) / BACKWARD_Q_TILE * BACKWARD_Q_TILE)
-    return "seq_q_padded must be seq_q rounded up to a multiple of 64";
+  if (!head_dim_supported(p.head_dim)) return "head_dim must be 64, 128 or 256";
   if (!(std::isfinite(p.scale) && p.scale > 0.f)) return "scale must be finite and > 0";
   if (p.window_left < -1 || p.window_right < -1) return "window bounds must be >= -1";
-  if (p.batch > 65535 || p.heads_kv > 65535) return "batch and heads_kv must be <= 65535";
+  if (p.batch > 65535 || p.heads_q > 65535) return "batch and heads_q must be <= 65535";
+  if (backward_workspace::padded(p.seq_q) > INT32_MAX) return "seq_q is too large";
   return nullptr;
+}
+
+template <typename T, int D>
+static cudaError_t backward_with(const BackwardParams& p, cudaStream_t stream) {
+  const backward_workspace ws = backward_workspace::of(p);
+  cudaError_t err = launch_row_stats<T, D>(p, ws, stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(ws.dq_accum, 0, ws.dq_accum_floats * sizeof(float), stream);
+  if (err == cudaSuccess) {
+    if constexpr (D == 256) err = launch_split_backward<T, D>(p, ws, stream);
+    else err = launch_backward<T, D>(p, ws, stream);
+  }
+  if (err == cudaSuccess) err = launch_dq_output<T, D>(p, ws, stream);
+  return err;
 }
 
 template <typename T>
 static cudaError_t backward_typed(const BackwardParams& p, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return launch_backward<T, 64>(p, stream);
-    case 128: return launch_backward<T, 128>(p, stream);
-    case 256: return launch_split_backward<T, 256>(p, stream);
+    case 64: return backward_with<T, 64>(p, stream);
+    case 128: return backward_with<T, 128>(p, stream);
+    case 256: return backward_with<T, 256>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

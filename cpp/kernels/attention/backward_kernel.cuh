@@ -31,7 +31,7 @@ struct backward_config {
   static constexpr int Q_ROWS = BACKWARD_Q_TILE;
   // Q/dO stages. A stage is freed only once its step's last product (dK += dS^T Q) has read it,
   // so with two the next load had one step's time to land, and consumers waited for it (5% of
-  // the D=128 kernel's stall samples, s15-8). Three fit beside three stats slots at D = 128:
+  // the D=128 kernel's stall samples). Three fit beside three stats slots at D = 128:
   // 227 KB exactly.
   static constexpr int STAGES = 3;
   static constexpr int STATS_STAGES = 3;  // 512 bytes each: the stats warp may run this far ahead
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   // starts before ds_ready: a consumer that is ahead waits there with work in flight.
   // A chunk leaves through shared memory and one TMA bulk add, issued by a writer warp of the
   // producer warpgroup, so a consumer hands it over and moves on (the accumulator's layout:
-  // attention.h):
+  // backward_workspace.cuh):
   //   consumer: sync dq_empty(c), write the rows, fence, arrive dq_full(c)
   //   writer:   sync dq_full(c), issue the add, wait until it has read the rows, arrive dq_empty(c)
   constexpr int DQ_CHUNKS = D / 64;
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
           named_barrier_sync(dq_full(chunk), DQ_HANDOFF_THREADS);
           if (lane0) {
             const int producer = TAKE_TURNS ? i & 1 : chunk;  // the consumer that computed this chunk
-            tma::add_bulk_async(p.dq_accum + dq_chunk_offset<D>(p, b, tile, chunk), s.dq[producer], sizeof(s.dq[0]));
+            tma::add_bulk_async(args.ws.dq_chunk<D>(b, tile.head, tile.q0, chunk), s.dq[producer], sizeof(s.dq[0]));
             tma::commit_group();
           }
         }
@@ -146,9 +146,9 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       const int col = 2 * laneid();
       query_walk::tile tile = walk.first();
       for (int i = 0; i < steps; i++, walk.advance(tile)) {
-        const int64_t row = stats_offset(p, b, tile) + col;
-        const float2 lse2 = *reinterpret_cast<const float2*>(p.lse + row);
-        const float2 delta = *reinterpret_cast<const float2*>(p.delta + row);
+        const int64_t row = args.ws.row(b, tile.head, tile.q0) + col;
+        const float2 lse2 = *reinterpret_cast<const float2*>(args.ws.lse2 + row);
+        const float2 delta = *reinterpret_cast<const float2*>(args.ws.delta + row);
         auto& rows = s.stats[s.stats_slots.wait_free(i)];
         *reinterpret_cast<float2*>(&rows.lse2[col]) = lse2;
         *reinterpret_cast<float2*>(&rows.delta[col]) = delta;
@@ -240,15 +240,15 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
 }
 
 template <typename T, int D>
-cudaError_t launch_backward(const BackwardParams& p, cudaStream_t stream) {
+cudaError_t launch_backward(const BackwardParams& p, const backward_workspace& ws, cudaStream_t stream) {
   using config = backward_config<D>;
   BackwardArgs args{};
   // Under a band the key blocks differ in length, and pairs interleave heaviest first in
   // L2-sized groups (BACKWARD_GROUP_L2_BYTES), so that the last blocks to start are light:
-  // causal fwd+bwd +1-2% at 2k-8k (bench/NOTES.md, s19-3/4). Otherwise one pair per group:
-  // interleaving lost 2-9% on unmasked D = 64 (s10-7).
+  // causal fwd+bwd +1-2% at 2k-8k (bench/NOTES.md). Otherwise one pair per group:
+  // interleaving lost 2-9% on unmasked D = 64.
   const size_t group_l2_bytes = p.window_right >= 0 ? BACKWARD_GROUP_L2_BYTES : 0;
-  if (cudaError_t err = prepare_backward<T, D>(args, p, 64, group_l2_bytes, stream); err != cudaSuccess) return err;
+  if (cudaError_t err = prepare_backward<T, D>(args, p, ws, 64, group_l2_bytes); err != cudaSuccess) return err;
   constexpr int smem = int(sizeof(backward_shared<T, D>)) + 1024;
   static_assert(smem <= 227 * 1024, "the backward's shared memory exceeds the H100's 227 KB");
   const dim3 grid((p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS, p.heads_kv, p.batch);

@@ -12,13 +12,13 @@
 // two roles do equal work and no product is computed twice.
 //
 // The fp32 atomic adds into dQ are what bound this kernel: every key block adds a full 64 x 256
-// tile per step into L2 (ncu, s11-2: L2 86% busy; skipping half of them, s11-3: +36%). So blocks
+// tile per step into L2 (ncu: L2 86% busy; skipping half of them: +36%). So blocks
 // run in clusters of two over neighbouring key blocks that walk the same query tiles: block r
 // adds the pair's sum for half of the columns, receiving the partner's part through a
-// shared-memory mailbox (DSMEM), which halves the traffic into L2: fwd+bwd +7-15% (s11-7, s11-9).
-// Each warpgroup owns one chunk and sends one, so both do the same work: +1-6% more (s12-1).
-// The adds go into the accumulator's fragment order (attention.h), so that each reduction
-// request carries whole 128-byte lines.
+// shared-memory mailbox (DSMEM), which halves the traffic into L2: fwd+bwd +7-15%.
+// Each warpgroup owns one chunk and sends one, so both do the same work: +1-6% more.
+// The adds go into the accumulator's fragment order (backward_workspace.cuh), so that each
+// reduction request carries whole 128-byte lines.
 #pragma once
 
 #include "../../kittens/kittens.cuh"
@@ -146,7 +146,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
     const int stage = s.stage_slots.acquire(i);
     const auto& q_tile = s.stages.q[stage];
     const auto& dout_tile = s.stages.dout[stage];
-    float* const dq_rows = p.dq_accum + dq_chunk_offset<D>(p, b, tile, 0) + 16 * 64 * warp;
+    float* const dq_rows = args.ws.dq_chunk<D>(b, tile.head, tile.q0, 0) + 16 * 64 * warp;
 
     if (p_role) {
       // P^T from the recomputed scores; lse2 is +inf on rows that saw nothing, giving P = 0.
@@ -154,7 +154,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       rt_fl<16, QT> probs;
       warpgroup::mma_ABt(probs, s.k, q_tile, false);
       col_vec<QT> lse2;
-      load(lse2, p.lse + stats_offset(p, b, tile));
+      load(lse2, args.ws.lse2 + args.ws.row(b, tile.head, tile.q0));
       warpgroup::wait<0>();
       if (masked_tile.cuts(q0)) mask_band.mask<true>(probs, q0, key0);
       map_cols(probs, lse2, [=](float x, float lse2) { return fast_exp2(c * x - lse2); });
@@ -169,7 +169,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       rt_fl<16, QT> dprobs;
       warpgroup::mma_ABt(dprobs, s.v, dout_tile, false);  // dP^T = V dO^T
       col_vec<QT> delta;
-      load(delta, p.delta + stats_offset(p, b, tile));
+      load(delta, args.ws.delta + args.ws.row(b, tile.head, tile.q0));
       warpgroup::wait<0>();
       named_barrier_sync(PROBS_READY_BARRIER + warp, 64);
       rt<T, 16, QT> probs_16;
@@ -185,7 +185,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
       warpgroup::fence_shared_to_async();
       named_barrier_sync(DS_READY_BARRIER, 256);
       // dK's product goes behind dQ's owned chunk: the P warpgroup and the partner block wait
-      // for this role's first send, which then does not wait for dK (+3-5%, s17-6).
+      // for this role's first send, which then does not wait for dK (+3-5%).
       add_dq_half<1>(dq_rows, s.ds[buf], s.k, D / 2, s.dq_mail[1], rank, i,
                      [&] { warpgroup::mma_AB(grad, ds_16, q_tile, true); });  // dK += dS^T Q
     }
@@ -199,12 +199,12 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
 }
 
 template <typename T, int D>
-cudaError_t launch_split_backward(const BackwardParams& p, cudaStream_t stream) {
+cudaError_t launch_split_backward(const BackwardParams& p, const backward_workspace& ws, cudaStream_t stream) {
   using config = split_backward_config<D>;
   BackwardArgs args{};
   // Pairs interleave in L2-sized groups (BACKWARD_GROUP_L2_BYTES), masked or not: +3-5% fwd+bwd
-  // at 2k-4k over one pair at a time (bench/NOTES.md, s10-7).
-  if (cudaError_t err = prepare_backward<T, D>(args, p, config::KV_ROWS, BACKWARD_GROUP_L2_BYTES, stream);
+  // at 2k-4k over one pair at a time (bench/NOTES.md).
+  if (cudaError_t err = prepare_backward<T, D>(args, p, ws, config::KV_ROWS, BACKWARD_GROUP_L2_BYTES);
       err != cudaSuccess)
     return err;
   static_assert(sizeof(split_backward_shared<T, D>) + 1024 <= 227 * 1024,

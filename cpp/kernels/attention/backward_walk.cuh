@@ -7,6 +7,7 @@
 
 #include "../../kittens/kittens.cuh"
 #include "attention.h"
+#include "backward_workspace.cuh"
 #include "softmax_band.cuh"
 
 namespace tk::attention {
@@ -16,20 +17,22 @@ using namespace kittens;
 struct BackwardArgs {
   CUtensorMap q, k, v, dout;  // boxes: BACKWARD_Q_TILE query rows, the kernel's key rows
   BackwardParams p;
+  backward_workspace ws;      // the accumulator to add dQ into; lse2 and delta
   int pairs_per_group;        // (batch, KV head) pairs whose blocks interleave; see key_block_of
 };
 
 // The L2 budget of a group of (batch, KV head) pairs whose blocks interleave (key_block_of):
-// their Q, dO and dQ accumulator fill at most 32 MB of the 50 MB L2 (s10-7).
+// their Q, dO and dQ accumulator fill at most 32 MB of the 50 MB L2.
 constexpr size_t BACKWARD_GROUP_L2_BYTES = size_t(32) << 20;
 
-// The tensor maps of `args` for element type T, and dq_accum zeroed on `stream`. Groups of
-// (batch, KV head) pairs (key_block_of) hold at most `group_l2_bytes` of Q, dO and dQ
-// accumulator; 0 makes every group one pair.
+// The arguments of a backward kernel for element type T: its tensor maps and the size of its
+// groups of (batch, KV head) pairs (key_block_of), which hold at most `group_l2_bytes` of Q, dO
+// and dQ accumulator; 0 makes every group one pair.
 template <typename T, int D>
-cudaError_t prepare_backward(BackwardArgs& args, const BackwardParams& p, int kv_rows, size_t group_l2_bytes,
-                             cudaStream_t stream) {
+cudaError_t prepare_backward(BackwardArgs& args, const BackwardParams& p, const backward_workspace& ws, int kv_rows,
+                             size_t group_l2_bytes) {
   args.p = p;
+  args.ws = ws;
   const bool bf = std::is_same_v<T, bf16>;
   if (!tma::make_bshd_map(&args.q, p.q, bf, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE) ||
       !tma::make_bshd_map(&args.dout, p.dout, bf, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE) ||
@@ -39,7 +42,7 @@ cudaError_t prepare_backward(BackwardArgs& args, const BackwardParams& p, int kv
   const size_t pair_bytes = size_t(p.seq_q) * (p.heads_q / p.heads_kv) * D * (2 * sizeof(T) + sizeof(float));
   const int pairs = p.batch * p.heads_kv;
   args.pairs_per_group = int(std::clamp<size_t>(group_l2_bytes / pair_bytes, 1, size_t(pairs)));
-  return cudaMemsetAsync(p.dq_accum, 0, dq_accum_floats(p) * sizeof(float), stream);
+  return cudaSuccess;
 }
 
 // The key block, KV head and batch a thread block owns, for a grid of (key blocks, KV heads,
@@ -111,18 +114,5 @@ struct query_stages {
     }
   }
 };
-
-// Where a query tile's rows start in the lse and delta arrays ([batch, heads_q, seq_q_padded]).
-__device__ __forceinline__ int64_t stats_offset(const BackwardParams& p, int b, query_walk::tile t) {
-  return (int64_t(b) * p.heads_q + t.head) * p.seq_q_padded + t.q0;
-}
-
-// Where chunk `chunk` (64 columns) of a query tile's dQ starts in the fragment-ordered
-// accumulator (attention.h).
-template <int D>
-__device__ __forceinline__ int64_t dq_chunk_offset(const BackwardParams& p, int b, query_walk::tile t, int chunk) {
-  const int64_t tile = (int64_t(b) * p.heads_q + t.head) * (p.seq_q_padded / BACKWARD_Q_TILE) + t.q0 / BACKWARD_Q_TILE;
-  return (tile * (D / 64) + chunk) * (BACKWARD_Q_TILE * 64);
-}
 
 }  // namespace tk::attention

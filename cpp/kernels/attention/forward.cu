@@ -1,9 +1,8 @@
-// Checks and dispatch for the attention forward launchers.
+// Checks and dispatch for the attention forward launcher.
 #include <cmath>
 
 #include "attention.h"
 #include "forward_kernel.cuh"
-#include "forward_wgmma_kernel.cuh"
 
 namespace tk::attention {
 
@@ -12,9 +11,7 @@ const char* forward_unsupported(const ForwardParams& p) {
   if (p.batch < 1 || p.seq_q < 1 || p.seq_k < 1 || p.heads_q < 1 || p.heads_kv < 1)
     return "batch, sequence lengths and head counts must be >= 1";
   if (p.heads_q % p.heads_kv != 0) return "heads_q must be a multiple of heads_kv";
-  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return "head_dim must be 64, 128 or 256";
-  if (p.head_dim == 256 && p.version == ForwardVersion::mma_sync)
-    return "the mma_sync forward variant supports head_dim 64 and 128 only";
+  if (!head_dim_supported(p.head_dim)) return "head_dim must be 64, 128 or 256";
   if (!(std::isfinite(p.scale) && p.scale > 0.f)) return "scale must be finite and > 0";
   if (p.window_left < -1 || p.window_right < -1) return "window bounds must be >= -1";
   if (p.batch > 65535 || p.heads_q > 65535) return "batch and heads_q must be <= 65535";
@@ -25,11 +22,10 @@ const char* forward_unsupported(const ForwardParams& p) {
 
 template <typename T>
 static cudaError_t forward_typed(const ForwardParams& p, cudaStream_t stream) {
-  const bool mma_sync = p.version == ForwardVersion::mma_sync;
   switch (p.head_dim) {
-    case 64: return mma_sync ? launch_forward<T, 64>(p, stream) : launch_wgmma_forward<T, 64>(p, stream);
-    case 128: return mma_sync ? launch_forward<T, 128>(p, stream) : launch_wgmma_forward<T, 128>(p, stream);
-    case 256: return launch_wgmma_forward<T, 256>(p, stream);
+    case 64: return launch_forward<T, 64>(p, stream);
+    case 128: return launch_forward<T, 128>(p, stream);
+    case 256: return launch_forward<T, 256>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -1,14 +1,29 @@
-// Flash attention forward on mma.sync tensor cores (the portable first version; the Hopper
-// wgmma/TMA kernel replaces it for speed).
+// Flash attention forward for Hopper: TMA loads, wgmma, warp specialisation.
 //
-// One block = 4 warps = 64 query rows of one (batch, head); each warp owns 16 rows. The block
-// walks the key/value tiles its rows can see, 64 keys at a time, double-buffered with cp.async:
-//   S = Q K^T                       (fp32, raw scores)
-//   m' = max(m, rowmax(S));  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum(P)
-//   O = 2^(c m - c m') O + P V      with c = softmax_scale * log2(e)
-// and finally O /= l, lse = ln 2 * (c m + log2 l). Tiles wholly outside the causal/window band
-// are never visited; only tiles crossing its edges or the end of the keys are masked.
+// The work comes in items: a block of 64 C query rows of one (batch, head), C = 2 or 3, and
+// the key tiles its band can see. A block has C + 1 warpgroups. Warpgroup 0 is the producer:
+// one thread loads an item's Q and streams its K and V tiles (128 keys; 64 at D = 256)
+// through rings of shared-memory stages with TMA, each stage guarded by a "full" barrier (the
+// copy engine completes it) and an "empty" barrier (the consumers release it). Warpgroups
+// 1 .. C are consumers, 64 query rows each:
+//   S = Q K^T                                   (wgmma, Q and K from shared memory)
+//   m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
+//   O = 2^(c m - c m') O + P V                  (wgmma, P from registers, V from shared)
+// with c = scale * log2(e); finally O /= l and lse = ln 2 (c m + log2 l). (m may lag the true
+// max while P stays below 2^8, which skips most rescales of O: see online_softmax_step.) The
+// next key tile's scores are issued before this tile's P V, so that one tile's softmax runs
+// while the tensor cores work on the other's product. Registers move from the producer (which
+// needs few) to the consumers with setmaxnreg. Tiles outside the causal / window band are never
+// loaded; only tiles crossing its edges or the end of the keys are masked.
+//
+// Two grids share that code. Where the keys are many, a plain grid runs one item per block.
+// Where they are few, an item is short next to a block's start-up and write-out, so a
+// persistent grid of one block per SM walks the items, and the next item's Q and first tiles
+// load while the current one finishes. Under a band with few query blocks a (batch, head)
+// pair, the persistent kernel runs two items a block instead: a query block and its mirror.
 #pragma once
+
+#include <algorithm>
 
 #include "../../kittens/kittens.cuh"
 #include "attention.h"
@@ -18,102 +33,302 @@ namespace tk::attention {
 
 using namespace kittens;
 
-constexpr int FWD_WARPS = 4;
-constexpr int FWD_THREADS = FWD_WARPS * WARP_THREADS;
-constexpr int FWD_Q_ROWS = 16 * FWD_WARPS;
-constexpr int FWD_KV_ROWS = 64;
-
-template <typename T, int D>
-struct forward_shared {
-  st<T, FWD_Q_ROWS, D> q;
-  st<T, FWD_KV_ROWS, D> k[2], v[2];
+// C consumer warpgroups of 64 query rows each. The launcher picks C per call (see
+// forward_consumers below).
+template <int D, int C>
+struct forward_config {
+  static constexpr int CONSUMERS = C;
+  static constexpr int THREADS = 128 * (CONSUMERS + 1);
+  static constexpr int Q_ROWS = 64 * CONSUMERS;
+  // Key tiles of 128 rows; 64 at D = 256, where the output takes 128 registers a thread and
+  // two stages of 128-row K and V tiles would not fit in shared memory.
+  static constexpr int KV_ROWS = D <= 128 ? 128 : 64;
+  // As many K/V stages as fit beside Q in 227 KB of shared memory, up to 4: with the next
+  // tile's scores computed early, K_{i+1} must land a step ahead. (D = 128: 3; D = 256: 2.)
+  static constexpr int STAGE_BYTES = 2 * KV_ROWS * D * 2, Q_BYTES = Q_ROWS * D * 2;
+  static constexpr int STAGES = std::min(4, (227 * 1024 - 2048 - Q_BYTES) / STAGE_BYTES);
+  static_assert(STAGES >= 2);
+  static constexpr int PRODUCER_REGS = 24;
+  static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, CONSUMERS);
+  // Up to this many keys the persistent grid runs. Same-card A/Bs on an H100 (bench/NOTES.md):
+  // +4-30% up to 2048 keys; at 4096 +4-10% except D=256 unmasked (-3%); at 8k-16k
+  // its static walk falls behind the hardware's scheduling of causal blocks (up to -36%).
+  static constexpr int PERSISTENT_MAX_KEYS = 4096;
 };
 
+template <typename T, int D, int C>
+struct forward_shared {
+  using config = forward_config<D, C>;
+  st<T, 64, D> q[C];
+  st<T, config::KV_ROWS, D> k[config::STAGES], v[config::STAGES];
+  // Q has a one-slot ring: in a persistent walk the consumers release it once an item's last
+  // scores have landed, so the next item's Q loads under the last P V and the write-out.
+  ring<1> q_ring;
+  // K and V have rings of their own: K_i is released as soon as its scores have landed, well
+  // before V_i is done, so the next K tile can load early.
+  ring<config::STAGES> k_ring, v_ring;
+};
 
-template <typename T, int D>
-__global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const __grid_constant__ ForwardParams p) {
-  extern __shared__ char smem_raw[];
-  auto& s = aligned_shared<forward_shared<T, D>>(smem_raw);
+struct ForwardArgs {
+  CUtensorMap q, k, v;  // boxes: 64 query rows, KV_ROWS key rows
+  ForwardParams p;
+};
 
-  const int num_q_blocks = gridDim.x;
-  // Under a causal or window band the last query blocks do the most work: start them first.
-  const int q_block = p.window_right >= 0 ? num_q_blocks - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int kv_h = h / (p.heads_q / p.heads_kv);
-  const int q0 = q_block * FWD_Q_ROWS;
-  const int warp = warpid(), row0 = q0 + 16 * warp;  // this warp's first query row
+// Query blocks of Q_ROWS rows per (batch, head).
+template <int Q_ROWS>
+__host__ __device__ inline int query_blocks(const ForwardParams& p) {
+  return (p.seq_q + Q_ROWS - 1) / Q_ROWS;
+}
 
-  const auto Q = gl<T>::contiguous((T*)p.q, p.batch, p.seq_q, p.heads_q, D);
-  const auto K = gl<T>::contiguous((T*)p.k, p.batch, p.seq_k, p.heads_kv, D);
-  const auto V = gl<T>::contiguous((T*)p.v, p.batch, p.seq_k, p.heads_kv, D);
-  const band mask_band = band::of(p);
-  const key_range keys = mask_band.keys_of(q0, min(q0 + FWD_Q_ROWS, p.seq_q) - 1);
-  const int first_tile = keys.lo / FWD_KV_ROWS;
-  const int end_tile = keys.hi > keys.lo ? (keys.hi + FWD_KV_ROWS - 1) / FWD_KV_ROWS : first_tile;
-  const auto masked_tile = mask_band.cuts_for_queries(row0, 16, FWD_KV_ROWS);  // which key tiles need masks
+// An item: query block q_block of (batch b, head h), counted from the end under a causal or
+// right window so that the heaviest blocks start first; the key tiles [first_tile, end_tile)
+// its band can see.
+struct forward_item {
+  int q0, h, b, kv_h, first_tile, end_tile;
 
-  rt<T, 16, D> q;        // this warp's 16 query rows
-  rt_fl<16, D> o;        // running numerator
-  row_vec<16> m, l;      // running max (raw score units) and denominator
+  template <int Q_ROWS, int KV>
+  __device__ static forward_item of(int q_block, int h, int b, const ForwardParams& p, const band& mask_band) {
+    if (p.window_right >= 0) q_block = query_blocks<Q_ROWS>(p) - 1 - q_block;
+    const int q0 = q_block * Q_ROWS;
+    const key_range keys = mask_band.keys_of(q0, min(q0 + Q_ROWS, p.seq_q) - 1);
+    const int first = keys.lo / KV, end = keys.hi > keys.lo ? (keys.hi + KV - 1) / KV : first;
+    return {q0, h, b, h / (p.heads_q / p.heads_kv), first, end};
+  }
+  __device__ int tiles() const { return end_tile - first_tile; }  // >= 0
+};
+
+// Producer (one thread): item w's Q as use q_use of the Q ring, and its key tiles as uses
+// kv_use, kv_use + 1, ... of the K and V rings. A block's first Q goes first; a later one
+// goes after its item's first K tile, which may then load while the consumers still read the
+// previous item's Q.
+template <typename T, int D, int C>
+__device__ __forceinline__ void load_item(forward_shared<T, D, C>& s, const ForwardArgs& args,
+                                          const forward_item& w, int q_use, int kv_use) {
+  constexpr int KV = forward_config<D, C>::KV_ROWS;
+  auto load_q = [&] {
+    tma::barrier& q_full = s.q_ring.fill(q_use, C * sizeof(s.q[0]));
+    for (int c = 0; c < C; c++) tma::load_async(&s.q[c], args.q, q_full, 0, w.q0 + 64 * c, 0, w.h, w.b);
+  };
+  if (w.tiles() == 0) s.q_ring.fill(q_use, 0);  // rows that see no key: no Q to wait for
+  else if (q_use == 0) load_q();
+  for (int i = 0; i < w.tiles(); i++) {
+    const int use = kv_use + i, stage = s.k_ring.slot(use), k0 = (w.first_tile + i) * KV;
+    tma::load_async(&s.k[stage], args.k, s.k_ring.fill(use, sizeof(s.k[0])), 0, k0, 0, w.kv_h, w.b);
+    if (i == 0 && q_use > 0) load_q();
+    tma::load_async(&s.v[stage], args.v, s.v_ring.fill(use, sizeof(s.v[0])), 0, k0, 0, w.kv_h, w.b);
+  }
+}
+
+// Consumer warpgroup `consumer`: attention of its 64 rows of item w, whose key tiles are uses
+// kv_use, kv_use + 1, ... of the K and V rings; writes O and lse. release_q() runs once Q is
+// no longer read.
+template <typename T, int D, int C, typename ReleaseQ>
+__device__ __forceinline__ void attend_item(forward_shared<T, D, C>& s, const ForwardParams& p,
+                                            const band& mask_band, const forward_item& w, int consumer,
+                                            int kv_use, ReleaseQ release_q) {
+  constexpr int KV = forward_config<D, C>::KV_ROWS;
+  const int row0 = w.q0 + 64 * consumer + 16 * warpgroup::warp_in_group();  // this warp's first row
+  const float c = p.scale * LOG2E;
+  const int tiles = w.tiles();
+  const auto masked_tile = mask_band.cuts_for_queries(row0, 16, KV);  // which key tiles need masks
+
+  rt_fl<16, D> o;
+  row_vec<16> m, l;
   zero(o);
   map(m, [](float) { return NEG_INF; });
   map(l, [](float) { return 0.f; });
-  const float c = p.scale * LOG2E;
 
-  load_async<FWD_THREADS>(s.q, Q, {b, h, q0});
-  if (first_tile < end_tile) {
-    load_async<FWD_THREADS>(s.k[0], K, {b, kv_h, first_tile * FWD_KV_ROWS});
-    load_async<FWD_THREADS>(s.v[0], V, {b, kv_h, first_tile * FWD_KV_ROWS});
-  }
-  cp_async_commit();
-
-  for (int tile = first_tile; tile < end_tile; tile++) {
-    const int stage = (tile - first_tile) & 1;
-    if (tile + 1 < end_tile) {  // prefetch the next tile into the other stage
-      load_async<FWD_THREADS>(s.k[stage ^ 1], K, {b, kv_h, (tile + 1) * FWD_KV_ROWS});
-      load_async<FWD_THREADS>(s.v[stage ^ 1], V, {b, kv_h, (tile + 1) * FWD_KV_ROWS});
-    }
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
-    if (tile == first_tile) load(q, s.q, 16 * warp, 0);
-
-    // S = Q K^T, 16 columns of head_dim at a time.
-    rt_fl<16, FWD_KV_ROWS> scores;
-    zero(scores);
-#pragma unroll
-    for (int d = 0; d < D / 16; d++) {
-      rt<T, FWD_KV_ROWS, 16> k;
-      load(k, s.k[stage], 0, 16 * d);
-      mma_ABt(scores, q.template col_slice<16>(d), k, scores);
-    }
-
-    const int k0 = tile * FWD_KV_ROWS;
+  // Scores of key tile i + 1 are computed while P_i V_i runs: S_{i+1} and then O += P_i V_i are
+  // issued back to back, the softmax of S_{i+1} overlaps the second product, and O is
+  // rescaled once that product has landed.
+  rt_fl<16, KV> scores;
+  row_vec<16> rescale;
+  auto scores_of = [&](int i) {  // S_i = Q K_i^T, issued asynchronously
+    warpgroup::mma_ABt(scores, s.q[consumer], s.k[s.k_ring.acquire(kv_use + i)], false);
+  };
+  auto softmax_of = [&](int i) {  // S_i has landed: release K_i, then scores -> P_i
+    s.k_ring.release(kv_use + i);
+    const int k0 = (w.first_tile + i) * KV;
     if (masked_tile.cuts(k0)) mask_band.mask(scores, row0, k0);
-    row_vec<16> rescale;
-    if (online_softmax_step(scores, m, l, rescale, c)) mul_row(o, rescale);
-
-    // O += P V, 16 columns of head_dim at a time.
-    rt<T, 16, FWD_KV_ROWS> probs;
-    copy(probs, scores);
-#pragma unroll
-    for (int d = 0; d < D / 16; d++) {
-      rt<T, FWD_KV_ROWS, 16, layout::col> v;
-      load(v, s.v[stage], 0, 16 * d);
-      mma_AB(o.template col_slice<16>(d), probs, v, o.template col_slice<16>(d));
-    }
-    __syncthreads();  // every warp is done with this stage before it is refilled
+    return online_softmax_step(scores, m, l, rescale, c);  // whether O needs the rescale
+  };
+  auto add_pv = [&](int i, const rt<T, 16, KV>& probs) {  // O += P_i V_i, issued asynchronously
+    warpgroup::mma_AB(o, probs, s.v[s.v_ring.acquire(kv_use + i)], true);
+  };
+  auto release_v = [&](int i) {  // P_i V_i has landed
+    s.v_ring.release(kv_use + i);
+  };
+  if (tiles > 0) {
+    scores_of(0);
+    warpgroup::wait<0>();
+    softmax_of(0);  // O is still zero: no rescale
+  } else {
+    release_q();
   }
-  cp_async_wait<0>();
+  for (int i = 0; i + 1 < tiles; i++) {
+    rt<T, 16, KV> probs;  // P_i leaves the scores before S_{i+1} overwrites them
+    copy(probs, scores);
+    scores_of(i + 1);
+    add_pv(i, probs);
+    warpgroup::wait<1>();  // S_{i+1} has landed; P_i V_i may still run
+    const bool rescaled = softmax_of(i + 1);
+    warpgroup::wait<0>();
+    release_v(i);
+    if (rescaled) mul_row(o, rescale);
+  }
+  if (tiles > 0) {  // the last tile: nothing left to overlap
+    release_q();  // its scores have landed
+    rt<T, 16, KV> probs;
+    copy(probs, scores);
+    add_pv(tiles - 1, probs);
+    warpgroup::wait<0>();
+    release_v(tiles - 1);
+  }
 
-  store_output<T, D>(o, m, l, c, p, b, h, row0);
+  store_output<T, D>(o, m, l, c, p, w.b, w.h, row0);
+}
+
+// One thread initialises the rings, before any warp uses them.
+template <typename T, int D, int C>
+__device__ __forceinline__ void init_rings(forward_shared<T, D, C>& s) {
+  constexpr int CONSUMER_WARPS = C * 4;  // one arrival per consumer warp
+  if (threadIdx.x == 0) {
+    s.q_ring.init(CONSUMER_WARPS);
+    s.k_ring.init(CONSUMER_WARPS);
+    s.v_ring.init(CONSUMER_WARPS);
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+}
+
+// Plain grid: block (x, y, z) runs query block x of head y, batch z.
+template <typename T, int D, int C>
+__global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
+    forward_kernel(const __grid_constant__ ForwardArgs args) {
+  using config = forward_config<D, C>;
+  const ForwardParams& p = args.p;
+  extern __shared__ char smem_raw[];
+  auto& s = aligned_shared<forward_shared<T, D, C>>(smem_raw);
+  const band mask_band = band::of(p);
+  const forward_item w =
+      forward_item::of<config::Q_ROWS, config::KV_ROWS>(blockIdx.x, blockIdx.y, blockIdx.z, p, mask_band);
+  init_rings(s);
+  if (warpgroup::groupid() == 0) {
+    warpgroup::decrease_registers<config::PRODUCER_REGS>();
+    if (threadIdx.x == 0) load_item(s, args, w, 0, 0);
+  } else {
+    warpgroup::increase_registers<config::CONSUMER_REGS>();
+    s.q_ring.acquire(0);
+    attend_item(s, p, mask_band, w, warpgroup::groupid() - 1, 0, [] {});  // Q is read once: never released
+  }
+}
+
+template <int Q_ROWS>
+__host__ __device__ inline int forward_items(const ForwardParams& p) {
+  return query_blocks<Q_ROWS>(p) * p.heads_q * p.batch;
+}
+
+// This block's items in a persistent grid of G = gridDim.x blocks: round n covers items
+// [n G, (n + 1) G), walked forwards in even rounds and backwards in odd ones, so that under the
+// heaviest-first order of causal items the blocks' sums of item lengths come out close. Item t
+// is query block t % q_blocks, head (t / q_blocks) % heads_q, batch t / (q_blocks heads_q), the
+// plain grid's order. Calls visit(item, n, kv_use) for the n-th, whose key tiles are uses
+// kv_use, kv_use + 1, ... of the K and V rings: the rings run on from item to item.
+template <int Q_ROWS, int KV, typename Visit>
+__device__ __forceinline__ void walk_items(const ForwardParams& p, const band& mask_band, Visit visit) {
+  const int items = forward_items<Q_ROWS>(p), q_blocks = query_blocks<Q_ROWS>(p);
+  const int G = gridDim.x;
+  int kv_use = 0;
+  for (int n = 0;; n++) {
+    const int t = n * G + (n % 2 == 0 ? blockIdx.x : G - 1 - blockIdx.x);
+    if (t >= items) break;
+    const forward_item w = forward_item::of<Q_ROWS, KV>(t % q_blocks, t / q_blocks % p.heads_q,
+                                                         t / q_blocks / p.heads_q, p, mask_band);
+    visit(w, n, kv_use);
+    kv_use += w.tiles();
+  }
+}
+
+// Persistent grid: each block walks its items; the producer loads the n-th item's Q as use n
+// of the Q ring, which the consumers release once they no longer read it.
+template <typename T, int D, int C>
+__global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
+    persistent_forward_kernel(const __grid_constant__ ForwardArgs args) {
+  using config = forward_config<D, C>;
+  constexpr int Q_ROWS = config::Q_ROWS, KV = config::KV_ROWS;
+  const ForwardParams& p = args.p;
+  extern __shared__ char smem_raw[];
+  auto& s = aligned_shared<forward_shared<T, D, C>>(smem_raw);
+  const band mask_band = band::of(p);
+
+  init_rings(s);
+  if (warpgroup::groupid() == 0) {
+    warpgroup::decrease_registers<config::PRODUCER_REGS>();
+    if (threadIdx.x == 0)
+      walk_items<Q_ROWS, KV>(p, mask_band, [&](const forward_item& w, int n, int kv_use) {
+        load_item(s, args, w, n, kv_use);
+      });
+  } else {
+    warpgroup::increase_registers<config::CONSUMER_REGS>();
+    const int consumer = warpgroup::groupid() - 1;
+    walk_items<Q_ROWS, KV>(p, mask_band, [&](const forward_item& w, int n, int kv_use) {
+      s.q_ring.acquire(n);
+      attend_item(s, p, mask_band, w, consumer, kv_use, [&] { s.q_ring.release(n); });
+    });
+  }
+}
+
+// Consumers per block: 3 at D = 64 (192 query rows), where their registers allow it, except
+// for causal or windowed attention over at most 2048 keys, where a 192-row block's masked
+// work at the band's edge outweighs it; else 2. (Same-card A/Bs in bench/NOTES.md: burst-timed
+// rounds set the limit at 4096 keys; at sustained clocks three consumers gain 2.9% at causal 4k.)
+inline int forward_consumers(const ForwardParams& p) {
+  const bool banded = p.window_left >= 0 || p.window_right >= 0;
+  return p.head_dim == 64 && !(banded && p.seq_k <= 2048) ? 3 : 2;
+}
+
+template <typename T, int D, int C>
+cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
+  using config = forward_config<D, C>;
+  ForwardArgs args{};
+  args.p = p;
+  const bool bf = std::is_same_v<T, bf16>;
+  if (!tma::make_bshd_map(&args.q, p.q, bf, p.batch, p.seq_q, p.heads_q, D, 64) ||
+      !tma::make_bshd_map(&args.k, p.k, bf, p.batch, p.seq_k, p.heads_kv, D, config::KV_ROWS) ||
+      !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, config::KV_ROWS))
+    return cudaErrorInvalidValue;
+  const int smem = int(sizeof(forward_shared<T, D, C>)) + 1024;
+  int sms = 0;
+  if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
+  const int items = forward_items<config::Q_ROWS>(p);
+  if (p.seq_k <= config::PERSISTENT_MAX_KEYS) {
+    const dim3 grid(std::min(items, sms));
+    return launch_with_shared<persistent_forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
+  }
+  // Under a band, where a (batch, head) pair has at most half as many query blocks as the card
+  // has SMs, one block a query block ends unevenly: the next pairs' heaviest blocks start while
+  // the last pairs' lightest run (5.6% at D=128 causal 8k in scripts/balance_model.py, 5.7% in
+  // a per-block trace), and each block pays ~3 tiles of start-up and write-out. The
+  // persistent kernel on half as many blocks as items gives block b items b and
+  // items - 1 - b (walk_items): a heavy query block and its mirror, so every block has the same
+  // work, the second item's loads start while the first is computed, and the hardware still
+  // hands blocks to SMs as they free up. Longer pairs: the plain grid (pairing them costs more
+  // in the last wave than it saves, in the model). Causal forward 8k, mirrored same-card
+  // rounds: D=256 +6.4%, D=128 +0.5%, D=64 -1.1% (within the rounds' spread).
+  if (p.window_right >= 0 && 2 * query_blocks<config::Q_ROWS>(p) <= sms) {
+    const dim3 grid((items + 1) / 2);
+    return launch_with_shared<persistent_forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
+  }
+  const dim3 grid(query_blocks<config::Q_ROWS>(p), p.heads_q, p.batch);
+  return launch_with_shared<forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
 }
 
 template <typename T, int D>
 cudaError_t launch_forward(const ForwardParams& p, cudaStream_t stream) {
-  const int smem = int(sizeof(forward_shared<T, D>)) + 1024;
-  const dim3 grid((p.seq_q + FWD_Q_ROWS - 1) / FWD_Q_ROWS, p.heads_q, p.batch);
-  return launch_with_shared<forward_kernel<T, D>>(grid, FWD_THREADS, smem, stream, p);
+  if constexpr (D == 64) {
+    if (forward_consumers(p) == 3) return launch_forward_with<T, D, 3>(p, stream);
+  }
+  return launch_forward_with<T, D, 2>(p, stream);
 }
 
 }  // namespace tk::attention

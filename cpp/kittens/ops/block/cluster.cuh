@@ -124,9 +124,9 @@ struct mailbox {
     // every warp hands the slot back below).
     if (t == 0) tma::expect_bytes(full[at], BYTES);
     // The slot's loads must be done before the partner may overwrite it, and a relaxed arrive
-    // orders nothing (the compiler issued it before the adds, s11-10: wrong dQ): a CTA-scope
-    // fence completes this warp's loads of its own shared memory without waiting for its global
-    // reductions as a release at cluster scope would.
+    // orders nothing (the compiler once issued it before the adds, and dQ came out wrong): a
+    // CTA-scope fence completes this warp's loads of its own shared memory without waiting for
+    // its global reductions as a release at cluster scope would.
     __threadfence_block();
     __syncwarp();
     if (laneid() == 0) cluster::arrive_relaxed(cluster::map(&empty[at], partner));

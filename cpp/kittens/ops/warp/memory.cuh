@@ -188,6 +188,24 @@ __device__ __forceinline__ void store_fragments(float* dst, const rt_fl<R, C>& s
       }
 }
 
+// A tile from fragment order in global memory: the inverse of store_fragments and
+// atomic_add_fragments, each 16-byte load of a warp reading 512 contiguous bytes. src: 16-byte
+// aligned, R * C floats.
+template <int R, int C>
+__device__ __forceinline__ void load_fragments(rt_fl<R, C>& dst, const float* src) {
+  const float4* lane_src = reinterpret_cast<const float4*>(src) + laneid();
+#pragma unroll
+  for (int i = 0; i < dst.height; i++)
+#pragma unroll
+    for (int j = 0; j < dst.width; j++)
+#pragma unroll
+      for (int half = 0; half < 2; half++) {  // quad n: registers 2 half (row g) and 2 half + 1 (row g + 8)
+        const float4 quad = lane_src[32 * ((i * dst.width + j) * 2 + half)];
+        dst.tiles[i][j].data[2 * half] = make_float2(quad.x, quad.y);
+        dst.tiles[i][j].data[2 * half + 1] = make_float2(quad.z, quad.w);
+      }
+}
+
 // Register tile (row layout) straight to global, converting to T; rows past dst.seq skipped.
 // 16-bit T: the four lanes of a quad hold 16 columns of rows g and g + 8 of a base tile, 4 bytes
 // per lane per 8-column chunk. Two rounds of shuffles transpose that 4 x 4 block of words, so

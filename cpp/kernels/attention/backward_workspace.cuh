@@ -1,0 +1,59 @@
+// The attention backward's workspace: what its passes hand each other through global memory,
+// in the one buffer the caller provides (backward_workspace_bytes). In order:
+//   dq_accum  [batch, heads_q, seq_q_padded / 64, head_dim / 64, 64 x 64] float32: dQ summed
+//             over the key blocks. Each 64-query x 64-column chunk holds four warps' 16 x 64
+//             register tiles (warp w's rows 16 w .. at float 1024 w) in kittens' fragment order
+//             (store_fragments), so that a chunk is added with one contiguous bulk reduction
+//             (head_dim <= 128) or with vector reductions of whole 128-byte lines (head_dim 256),
+//             its staging stores are conflict-free, and it is read back with 512-byte loads a
+//             warp (load_fragments).
+//   lse2      [batch, heads_q, seq_q_padded] float32: log2(e) lse; +inf for rows that saw no key
+//             (so that their P = 2^(c S - lse2) is 0) and on padding.
+//   delta     [batch, heads_q, seq_q_padded] float32: scale (rowsum(dO o O) - dlse); 0 on padding.
+// lse2 and delta are in the units the backward kernels use, so that they spend no multiply on
+// them, and rows are padded to whole query tiles.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "attention.h"
+
+namespace tk::attention {
+
+// Query rows per step of the backward's walk: the rows of a dQ chunk, a tile of lse2 and delta.
+constexpr int BACKWARD_Q_TILE = 64;
+
+struct backward_workspace {
+  float* dq_accum;
+  float* lse2;
+  float* delta;
+  int heads_q, seq_q_padded;
+  size_t dq_accum_floats;
+
+  __host__ __device__ static int64_t padded(int64_t seq_q) {
+    return (seq_q + BACKWARD_Q_TILE - 1) / BACKWARD_Q_TILE * BACKWARD_Q_TILE;
+  }
+  // Floats of the whole workspace: the accumulator, then lse2 and delta.
+  static size_t floats(int64_t batch, int64_t heads_q, int64_t seq_q, int64_t head_dim) {
+    return size_t(batch * heads_q * padded(seq_q)) * size_t(head_dim + 2);
+  }
+  static backward_workspace of(const BackwardParams& p) {
+    const size_t rows = size_t(p.batch) * p.heads_q * padded(p.seq_q), dq_floats = rows * p.head_dim;
+    float* base = static_cast<float*>(p.workspace);
+    return {base, base + dq_floats, base + dq_floats + rows, p.heads_q, int(padded(p.seq_q)), dq_floats};
+  }
+
+  // Where query q of (batch b, head h) sits in lse2 and delta.
+  __device__ __forceinline__ int64_t row(int b, int h, int q) const {
+    return (int64_t(b) * heads_q + h) * seq_q_padded + q;
+  }
+  // The accumulator's chunk `chunk` (64 columns) of the query tile that starts at row q0.
+  template <int D>
+  __device__ __forceinline__ float* dq_chunk(int b, int h, int q0, int chunk) const {
+    const int64_t tile = (int64_t(b) * heads_q + h) * (seq_q_padded / BACKWARD_Q_TILE) + q0 / BACKWARD_Q_TILE;
+    return dq_accum + (tile * (D / 64) + chunk) * (BACKWARD_Q_TILE * 64);
+  }
+};
+
+}  // namespace tk::attention
