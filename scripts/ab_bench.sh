@@ -9,7 +9,7 @@
 # files that differ from the tree in place are copied over it, so ninja rebuilds only the
 # translation units that include them.
 #
-# Usage: scripts/ab_bench.sh "<tk_jax.bench attention arguments>" m c c m
+# Usage: scripts/ab_bench.sh "<bench attention arguments>" m c c m
 #   e.g. scripts/ab_bench.sh "--d 128 --t 4k,16k --reps 7" m c c m
 # Prints a table last: one row per cell, the mean TFLOP/s of each variant over its rounds, and
 # each round's number. The log (and the table so far, ab_table.md) go to $OUT when set.
@@ -94,7 +94,7 @@ EOF
     continue
   fi
   echo "round $round ($variant): built in $(($(date +%s) - start)) s" | tee -a "$LOG"
-  python3 -m tk_jax.bench attention $BENCH_ARGS --contenders tk --no-plot \
+  python3 -m bench attention $BENCH_ARGS --contenders tk --no-plot \
     --out "$WORK/r$round-$variant" >>"$LOG" 2>&1 || echo "round $round ($variant): bench exit $?" | tee -a "$LOG"
   summarize "${@:1:$round}" >"$(dirname "$LOG")/ab_table.md"
 done

@@ -25,9 +25,12 @@ The model ignores L2, clocks and how wgmma work overlaps; bench/NOTES.md compare
 measurements (sessions 20-22; a per-block trace in s21-10 agrees at D=128 causal 8k)."""
 import argparse
 import heapq
+import pathlib
+import sys
 
-from tk_jax.bench.__main__ import parse_int_list
-from tk_jax.bench.attention import make_configs
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout, for bench/
+from bench.__main__ import parse_int_list
+from bench.attention import make_configs
 
 
 def grouped(runs, pairs, group):

@@ -42,7 +42,7 @@ if [ "${TK_SANITIZE:-0}" = 1 ]; then
 fi
 
 if [ "${TK_BENCH_ARGS:-}" != none ]; then
-  python3 -m tk_jax.bench ${TK_BENCH_ARGS:-attention --quick} --out "$LOG" 2>&1 | tee "$LOG/bench.log"
+  python3 -m bench ${TK_BENCH_ARGS:-attention --quick} --out "$LOG" 2>&1 | tee "$LOG/bench.log"
 fi
 
 echo "gpu tests exit code: $tests_rc"

@@ -14,6 +14,7 @@ The cells are the bench grid's (B * T = 16384 tokens, Hq * D = 2048). Needs nvid
 import argparse
 import csv
 import datetime
+import pathlib
 import shutil
 import statistics
 import subprocess
@@ -21,8 +22,9 @@ import sys
 import tempfile
 import time
 
-from tk_jax.bench import Runner, attention, prepare_runner
-from tk_jax.bench.__main__ import parse_int_list
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout, for bench/
+from bench import Runner, attention, prepare_runner
+from bench.__main__ import parse_int_list
 
 
 def run_alone(runner, seconds: float) -> tuple[float, float, int]:

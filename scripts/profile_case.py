@@ -15,14 +15,17 @@ or forward and backward, three times instead, to profile a peer's kernels beside
 kernel of the step (XLA's preparation and dQ cast around ours), as a training step runs them."""
 import argparse
 import math
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tk_jax import _ext, _kernels
-from tk_jax.bench.__main__ import parse_int_list
-from tk_jax.bench import Runner, attention, prepare_runner
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout, for bench/
+from bench import Runner, attention, prepare_runner
+from bench.__main__ import parse_int_list
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--d", type=int, default=128)

@@ -1,4 +1,4 @@
-"""The benchmark CLI (tk_jax.bench) on CPU: argument parsing, FLOP counting, the timing loop,
+"""The benchmark CLI (python -m bench) on CPU: argument parsing, FLOP counting, the timing loop,
 failure handling, the report writers, and a tiny end-to-end run on toy shapes.
 
 Timings themselves are meaningless here; what is checked is that every contender's failure is
@@ -12,9 +12,9 @@ import math
 
 import pytest
 
-import tk_jax.bench as bench
-from tk_jax.bench import attention, based, report, scale, timing
-from tk_jax.bench.__main__ import main, parse_args, parse_int_list
+import bench
+from bench import attention, based, report, scale, timing
+from bench.__main__ import main, parse_args, parse_int_list
 
 
 # ---------------------------------------------------------------------------------------------

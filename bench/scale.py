@@ -1,4 +1,4 @@
-"""Multi-device scaling: `python -m tk_jax.bench scale`.
+"""Multi-device scaling: `python -m bench scale`.
 
 Compares one device with all N visible devices (N = len(jax.devices()); with one device only
 the one-device numbers are measured, and the report says so):
@@ -31,11 +31,11 @@ import re
 import time
 from typing import Callable
 
-from tk_jax.bench import (OK, OURS, Contender, Skipped, Unsupported, random_normal_sets,
+from bench import (OK, OURS, Contender, Skipped, Unsupported, random_normal_sets,
                           run_one)
-from tk_jax.bench import report
-from tk_jax.bench.attention import AttentionConfig, attention_flops
-from tk_jax.bench.timing import JaxClock, Runner
+from bench import report
+from bench.attention import AttentionConfig, attention_flops
+from bench.timing import JaxClock, Runner
 
 SUITE = "scale"
 ATTENTION, LM, RING = "attention", "lm", "ring"
@@ -623,7 +623,7 @@ def describe_plan(args, num_devices: int) -> str:
 
 
 def run_suite(args, environment: dict, card: str) -> int:
-    """`python -m tk_jax.bench scale`: measure, print the tables, write JSON and markdown."""
+    """`python -m bench scale`: measure, print the tables, write JSON and markdown."""
     import jax
 
     ignored = [flag for flag, given in (("--quick", args.quick), ("--d", args.d),

@@ -1,4 +1,4 @@
-"""Benchmarks of tk_jax's kernels against their peers: `python -m tk_jax.bench --help`.
+"""Benchmarks of tk_jax's kernels against their peers: `python -m bench --help`.
 
 Layout of this package:
     __main__.py   command line: parses options, runs suites, writes reports
@@ -23,7 +23,7 @@ import math
 import traceback
 from typing import Any, Callable, Iterable
 
-from tk_jax.bench.timing import Runner, Timing, measure_interleaved
+from bench.timing import Runner, Timing, measure_interleaved
 
 # Roles decide what the "tk / best peer" ratio compares.
 OURS = "ours"          # tk_jax's kernel: the numerator

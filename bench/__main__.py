@@ -1,12 +1,12 @@
-"""Command line: `python -m tk_jax.bench attention|based|all|scale [options]`.
+"""Command line: `python -m bench attention|based|all|scale [options]`.
 
 Examples:
-    python -m tk_jax.bench --list                      # which contenders can run here
-    python -m tk_jax.bench attention --quick           # a few points, a minute or two
-    python -m tk_jax.bench attention --d 128 --t 4k,16k --causal yes
-    python -m tk_jax.bench based --fwd-only
-    python -m tk_jax.bench all --dry-run               # print the plan, run nothing
-    python -m tk_jax.bench scale                       # 1 vs all visible GPUs (see scale.py)
+    python -m bench --list                      # which contenders can run here
+    python -m bench attention --quick           # a few points, a minute or two
+    python -m bench attention --d 128 --t 4k,16k --causal yes
+    python -m bench based --fwd-only
+    python -m bench all --dry-run               # print the plan, run nothing
+    python -m bench scale                       # 1 vs all visible GPUs (see scale.py)
 
 Results go to <out>/<suite>-<card>.json (rewritten after every measurement, so a run cut
 short keeps what it measured), <suite>-<card>.md and <suite>-<card>.png.
@@ -21,9 +21,9 @@ import sys
 import time
 from typing import Any, Callable
 
-from tk_jax.bench import (OK, Contender, Outcome, distribution_version, run_grid, run_one,
+from bench import (OK, Contender, Outcome, distribution_version, run_grid, run_one,
                           short_error)
-from tk_jax.bench import attention, based, report, scale, timing
+from bench import attention, based, report, scale, timing
 
 DEFAULT_OUT = os.path.join("bench", "results")
 
@@ -71,7 +71,7 @@ def parse_int_list(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m tk_jax.bench",
+        prog="python -m bench",
         description="Time tk_jax's kernels and their peers on this machine's first device.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Peers (cuDNN, FlashAttention-3, XLA, fla) are optional: whatever cannot run "
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     # jax.devices() below), which would starve PyTorch (fla) in the same process.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     args = parse_args(argv)
-    args.command = " ".join(["python -m tk_jax.bench"] + (sys.argv[1:] if argv is None else argv))
+    args.command = " ".join(["python -m bench"] + (sys.argv[1:] if argv is None else argv))
     if args.suite == "scale":  # one device against all visible devices: its own runner
         environment = describe_environment(measure_overhead=not (args.list or args.dry_run))
         return scale.run_suite(args, environment, card_name(args))

@@ -11,9 +11,9 @@ import dataclasses
 import functools
 import math
 
-from tk_jax.bench import (BASELINE, OURS, PEER, Contender, Outcome, Skipped, Unsupported,
+from bench import (BASELINE, OURS, PEER, Contender, Outcome, Skipped, Unsupported,
                           distribution_version, module_unavailable, random_normal_sets)
-from tk_jax.bench.timing import Runner, compiled_jax_runner, input_sets_needed
+from bench.timing import Runner, compiled_jax_runner, input_sets_needed
 
 TOKENS = 16384
 MODEL_WIDTH = 2048

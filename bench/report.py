@@ -11,7 +11,7 @@ import os
 import re
 from typing import Callable, Iterable
 
-from tk_jax.bench import OK, OURS, PEER
+from bench import OK, OURS, PEER
 
 # How a status that is not "ok" shows in a table cell.
 STATUS_CELL = {"unsupported": "unsup.", "skipped": "skip", "unavailable": "n/a", "error": "error"}

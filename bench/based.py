@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from tk_jax.bench import (BASELINE, OURS, PEER, Contender, Outcome, Unsupported,
+from bench import (BASELINE, OURS, PEER, Contender, Outcome, Unsupported,
                           distribution_version, module_unavailable, random_normal_sets)
-from tk_jax.bench.timing import (JaxClock, Runner, TorchCudaClock, compiled_jax_runner,
+from bench.timing import (JaxClock, Runner, TorchCudaClock, compiled_jax_runner,
                                  input_sets_needed, measure)
 
 BATCH, HEADS, FEATURE, VALUE_DIM = 16, 16, 16, 64
