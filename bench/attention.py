@@ -98,10 +98,6 @@ def jax_attention_runner(attend, config: AttentionConfig) -> Runner:
 # ---------------------------------------------------------------------------------------------
 # Contenders.
 
-
-
-
-
 def _tk_contender(backend: str) -> Contender:
     def prepare(config: AttentionConfig) -> Runner:
         import tk_jax
@@ -116,33 +112,6 @@ def _tk_contender(backend: str) -> Contender:
         name="tk" if backend == "kernel" else f"tk_{backend}",
         description=f'tk_jax.flash_attention(backend="{backend}")',
         role=OURS if backend == "kernel" else BASELINE,
-        unavailable=lambda: module_unavailable("tk_jax"),
-        prepare=prepare,
-        version=lambda: distribution_version("tk_jax"))
-
-
-def _tk_variant_contender(variant: str) -> Contender:
-    """One forward kernel variant called directly (forward only), to time versions side by side."""
-    def prepare(config: AttentionConfig) -> Runner:
-        from tk_jax import _backend, _kernels
-
-        if config.backward:
-            raise Skipped("forward-only contender")
-        if (why := _backend.kernel_unavailable_reason()) is not None:
-            raise Unsupported(why)
-        if variant == "mma_sync" and config.d > 128:
-            raise Unsupported(f"the mma_sync variant supports head dim 64 and 128, got {config.d}")
-        scale = 1.0 / math.sqrt(config.d)
-
-        def attend(q, k, v):
-            return _kernels.attention_fwd(q, k, v, scale=scale, window_left=-1,
-                                          window_right=0 if config.causal else -1, variant=variant)[0]
-        return jax_attention_runner(attend, config)
-
-    return Contender(
-        name=f"tk_{variant}",
-        description=f"tk_jax forward kernel variant {variant!r} (called directly)",
-        role=BASELINE,
         unavailable=lambda: module_unavailable("tk_jax"),
         prepare=prepare,
         version=lambda: distribution_version("tk_jax"))
@@ -194,7 +163,6 @@ def contenders(tk_backend: str = "kernel") -> list[Contender]:
     """All attention contenders in report column order."""
     return [
         _tk_contender(tk_backend),
-        _tk_variant_contender("mma_sync"),
         _jax_nn_contender("cudnn", max_t=None),
         _fa3_contender(),
         _jax_nn_contender("xla", max_t=XLA_MAX_T),
