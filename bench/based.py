@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 from bench import (BASELINE, OURS, PEER, Contender, Outcome, Unsupported,
-                          distribution_version, module_unavailable, random_normal_sets)
+                   distribution_version, module_unavailable, pass_name, random_normal_sets)
 from bench.timing import (JaxClock, Runner, TorchCudaClock, compiled_jax_runner,
-                                 input_sets_needed, measure)
+                          input_sets_needed, measure)
 
 BATCH, HEADS, FEATURE, VALUE_DIM = 16, 16, 16, 64
 T_GRID = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -33,21 +33,13 @@ class BasedConfig:
     feature: int = FEATURE
     value_dim: int = VALUE_DIM
 
-    @property
-    def pass_name(self) -> str:
-        return "fwd+bwd" if self.backward else "fwd"
-
     def label(self) -> str:
-        return f"T={self.t} {self.pass_name} (B={self.batch} H={self.heads})"
+        return f"T={self.t} {pass_name(self.backward)} (B={self.batch} H={self.heads})"
 
 
 def make_configs(t_values, backward_values, *, batch=BATCH, heads=HEADS) -> list[BasedConfig]:
     return [BasedConfig(t=t, backward=backward, batch=batch, heads=heads)
             for backward in backward_values for t in t_values]
-
-
-def config_to_dict(config: BasedConfig) -> dict:
-    return {**dataclasses.asdict(config), "pass": config.pass_name}
 
 
 def add_metrics(config: BasedConfig, outcome: Outcome) -> None:

@@ -14,7 +14,8 @@ import pytest
 
 import bench
 from bench import attention, based, report, scale, timing
-from bench.__main__ import main, parse_args, parse_int_list
+from bench import parse_int_list
+from bench.__main__ import main, parse_args
 
 
 # ---------------------------------------------------------------------------------------------
