@@ -414,6 +414,21 @@ def _fmt(value, suffix: str = "") -> str:
     return "-" if value is None else report.format_number(value) + suffix
 
 
+def _tflops(flops: float, ms: float | None, devices: int = 1) -> float | None:
+    return ms and flops / (ms * 1e-3) / 1e12 / devices
+
+
+def _causal_fwd_bwd_flops(t: int, d: int, batch: int, heads: int) -> float:
+    return attention_flops(AttentionConfig(t=t, d=d, causal=True, backward=True, batch=batch,
+                                           heads=heads))
+
+
+def _weighted_ms(parts: list[tuple[int, dict | None]]) -> float | None:
+    """The sum of count x time over (count, result) pairs; None if a time is missing."""
+    times = [_ok_ms(r) for _, r in parts]
+    return None if None in times else sum(count * ms for (count, _), ms in zip(parts, times))
+
+
 def _collectives_cell(result: dict | None) -> str:
     if result is None or result["status"] != OK:
         return "-"
@@ -437,18 +452,16 @@ def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
                 return r
         return None
 
-    def ms_cell(result):
-        value = _ok_ms(result)
-        return note(result) if value is None and result is not None else _fmt(value)
+    def ms_cell(value, parts):  # a failed measurement explains a missing number
+        failed = [r for r in parts if r is not None and r["status"] != OK]
+        return note(failed[0]) if value is None and failed else _fmt(value)
 
     sections = []
     if n <= 1:
         sections.append("**Only 1 device visible: N=1 only** (no multi-device numbers).")
 
     # 1. Attention.
-    flops = attention_flops(AttentionConfig(t=sizes.attn_t, d=sizes.attn_d, causal=True,
-                                            backward=True, batch=sizes.attn_batch,
-                                            heads=sizes.attn_heads))
+    flops = _causal_fwd_bwd_flops(sizes.attn_t, sizes.attn_d, sizes.attn_batch, sizes.attn_heads)
     base = _ok_ms(find(ATTENTION, SHARDED_ATTENTION, 1))
     rows = []
     for count in device_counts(n):
@@ -456,9 +469,8 @@ def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
         ms = _ok_ms(r)
         speedup = base / ms if base and ms else None
         rows.append([str(count), str(sizes.attn_batch), str(sizes.attn_batch // count),
-                     ms_cell(r), _fmt(ms and flops / (ms * 1e-3) / 1e12 / count),
-                     _fmt(speedup, "x"), _fmt(speedup and 100 * speedup / count, "%"),
-                     _collectives_cell(r)])
+                     ms_cell(ms, [r]), _fmt(_tflops(flops, ms, count)), _fmt(speedup, "x"),
+                     _fmt(speedup and 100 * speedup / count, "%"), _collectives_cell(r)])
     sections.append(
         f"### 1. Batch-sharded attention: flash_attention fwd+bwd, causal, D={sizes.attn_d}, "
         f"T={sizes.attn_t}, global batch {sizes.attn_batch} x {sizes.attn_heads} heads\n\n"
@@ -479,9 +491,9 @@ def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
             r = find(LM, LM_STEP, count, batch=batch)
             ms = _ok_ms(r)
             per_s = ms and batch * sizes.lm_seq / (ms * 1e-3)
-            loss = r["metrics"].get("first_step_loss") if r is not None and ms else None
-            rows.append([str(count), str(batch), str(batch // count), ms_cell(r), _fmt(per_s),
-                         _fmt(per_s and per_s / count),
+            loss = r["metrics"].get("first_step_loss") if ms else None
+            rows.append([str(count), str(batch), str(batch // count), ms_cell(ms, [r]),
+                         _fmt(per_s), _fmt(per_s and per_s / count),
                          _fmt(per_s / base_per_s if per_s and base_per_s else None, "x"),
                          _collectives_cell(r), _fmt(loss)])
     backend = (base_r or {}).get("config", {}).get("backend", "?")
@@ -499,38 +511,25 @@ def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
           "run). Parameters are replicated; the gradients are all-reduced (the only "
           "collective expected).")
 
-    # 3. Ring attention.
+    # 3. Ring attention, and the estimate from its pieces timed alone.
     rows = []
     for t in ring_t:
         flash_r, ring_r = find(RING, FLASH_WHOLE, 1, t=t), find(RING, RING_ATTENTION, n, t=t)
         flash_ms, ring_ms = _ok_ms(flash_r), _ok_ms(ring_r)
-        flops = attention_flops(AttentionConfig(t=t, d=sizes.ring_d, causal=True,
-                                                backward=True, batch=sizes.ring_batch,
-                                                heads=sizes.ring_heads))
-        steps = [(b, find(RING, b.name, 1, t=t)) for b in ring_step_blocks(t, max(n, 2))]
+        flops = _causal_fwd_bwd_flops(t, sizes.ring_d, sizes.ring_batch, sizes.ring_heads)
+        steps = [(b.count, find(RING, b.name, 1, t=t)) for b in ring_step_blocks(t, max(n, 2))]
         sends = [(count, find(RING, name, n, t=t))
                  for count, name in zip(ring_transfers(max(n, 2)), (SEND_KV, SEND_DKV))]
-        step_ms = [_ok_ms(r) for _, r in steps]
-        send_ms = [_ok_ms(r) for _, r in sends]
-        compute = (sum(b.count * ms for (b, _), ms in zip(steps, step_ms))
-                   if all(ms is not None for ms in step_ms) else None)
-        comm = (sum(count * ms for (count, _), ms in zip(sends, send_ms))
-                if all(ms is not None for ms in send_ms) else None)
+        compute, comm = _weighted_ms(steps), _weighted_ms(sends)
         estimate = (hidden_comm(ring_ms, compute, comm)
                     if None not in (ring_ms, compute, comm) else {})
-
-        def missing(value, parts):  # a failed piece explains a missing derived number
-            failed = [r for _, r in parts if r is not None and r["status"] != OK]
-            return note(failed[0]) if value is None and failed else _fmt(value)
-
         fraction = estimate.get("hidden_fraction")
         rows.append([
-            report.short_count(t), ms_cell(flash_r), ms_cell(ring_r),
+            report.short_count(t), ms_cell(flash_ms, [flash_r]), ms_cell(ring_ms, [ring_r]),
             _fmt(flash_ms / ring_ms if flash_ms and ring_ms else None, "x"),
-            _fmt(ring_ms and flops / (ring_ms * 1e-3) / 1e12 / n),
-            _fmt(flash_ms and flops / (flash_ms * 1e-3) / 1e12),
-            missing(compute, steps), _fmt(estimate.get("overhead_ms")),
-            missing(comm, sends),
+            _fmt(_tflops(flops, ring_ms, n)), _fmt(_tflops(flops, flash_ms)),
+            ms_cell(compute, [r for _, r in steps]), _fmt(estimate.get("overhead_ms")),
+            ms_cell(comm, [r for _, r in sends]),
             "-" if fraction is None else f"{100 * fraction:.0f}%"])
     sections.append(
         f"### 3. Ring attention on {n} device(s) vs flash_attention on 1: fwd+bwd, causal, "
