@@ -1,4 +1,5 @@
-"""Command line, from the root of a checkout: `python3 -m bench attention|based|all|scale [options]`.
+"""Command line, run from the root of a checkout:
+`python3 -m bench attention|based|all|scale [options]`.
 
 Examples:
     python3 -m bench --list                      # which contenders can run here
