@@ -19,7 +19,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 # A warm device machine keeps build/ from the last call, while the working tree arrives with
-# this machine's file times, older than those objects: ninja would keep stale kernels (s17-7).
+# this machine's file times, older than those objects: ninja would keep stale kernels.
 rm -rf build
 start=$(date +%s)
 if ! TK_JAX_REQUIRE_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -e . >"$LOG/build.log" 2>&1; then

@@ -23,9 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tk_jax import _ext, _kernels
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout, for bench/
-from bench import Runner, attention, prepare_runner
-from bench.__main__ import parse_int_list
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout's bench/
+from bench import Runner, attention, parse_int_list, prepare_runner
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--d", type=int, default=128)
