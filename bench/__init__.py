@@ -16,11 +16,11 @@ or fails is recorded as such in the results, and the run goes on.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import gc
 import importlib
-import argparse
 import importlib.metadata
 import math
 import traceback
