@@ -19,7 +19,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 # A warm device machine keeps build/ from the last call, while the working tree arrives with
-# this machine's file times, older than those objects: ninja would keep stale kernels (s17-7).
+# this machine's file times, older than those objects: ninja would keep stale kernels.
 rm -rf build
 start=$(date +%s)
 if ! TK_JAX_REQUIRE_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -e . >"$LOG/build.log" 2>&1; then
@@ -42,7 +42,7 @@ if [ "${TK_SANITIZE:-0}" = 1 ]; then
 fi
 
 if [ "${TK_BENCH_ARGS:-}" != none ]; then
-  python3 -m tk_jax.bench ${TK_BENCH_ARGS:-attention --quick} --out "$LOG" 2>&1 | tee "$LOG/bench.log"
+  python3 -m bench ${TK_BENCH_ARGS:-attention --quick} --out "$LOG" 2>&1 | tee "$LOG/bench.log"
 fi
 
 echo "gpu tests exit code: $tests_rc"

@@ -16,14 +16,16 @@ kernel of the step (the backward's row statistics and dq passes too), as a train
 them."""
 import argparse
 import math
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tk_jax import _ext, _kernels
-from tk_jax.bench.__main__ import parse_int_list
-from tk_jax.bench import Runner, attention, prepare_runner
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout's bench/
+from bench import Runner, attention, parse_int_list, prepare_runner
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--d", type=int, default=128)

@@ -1,4 +1,4 @@
-"""The benchmark CLI (tk_jax.bench) on CPU: argument parsing, FLOP counting, the timing loop,
+"""The benchmark CLI (python3 -m bench, run from the checkout) on CPU: argument parsing, FLOP counting, the timing loop,
 failure handling, the report writers, and a tiny end-to-end run on toy shapes.
 
 Timings themselves are meaningless here; what is checked is that every contender's failure is
@@ -12,9 +12,10 @@ import math
 
 import pytest
 
-import tk_jax.bench as bench
-from tk_jax.bench import attention, based, report, scale, timing
-from tk_jax.bench.__main__ import main, parse_args, parse_int_list
+import bench
+from bench import attention, based, report, scale, timing
+from bench import parse_int_list
+from bench.__main__ import main, parse_args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,11 +92,9 @@ def test_sanitize_card_name():
 # The timing loop and failure handling, with a fake clock (no device involved).
 
 class FakeClock:
-    """Each call 'takes' a fixed time; start/stop read a counter advanced by the calls."""
+    """start/stop read a counter that the fake runners' calls advance."""
 
-    def __init__(self, seconds_per_call):
-        self.now = 0.0
-        self.seconds_per_call = seconds_per_call
+    now = 0.0
 
     def start(self):
         return self.now
@@ -107,24 +106,29 @@ class FakeClock:
         pass
 
 
-def fake_runner(seconds_per_call=1e-3):
-    clock = FakeClock(seconds_per_call)
-    seen = []
+def fake_runner(seconds_per_call=1e-3, *, clock=None, log=None, name="", fail_after=None,
+                n_sets=2, release=None):
+    """A runner whose calls 'take' `seconds_per_call` on `clock` (shared by runners timed
+    together: the device is one), appending (name, input set) to `log`, and raising once it
+    has made `fail_after` calls."""
+    clock = clock or FakeClock()
+    log = [] if log is None else log
 
     def call(i):
-        seen.append(i)
-        clock.now += clock.seconds_per_call
+        if fail_after is not None and sum(n == name for n, _ in log) >= fail_after:
+            raise RuntimeError(f"{name} lost the device")
+        log.append((name, i))
+        clock.now += seconds_per_call
         return i
-
-    return timing.Runner(call=call, n_sets=3, clock=clock), seen
+    return timing.Runner(call=call, n_sets=n_sets, clock=clock, release=release)
 
 
 def test_measure_reports_per_call_time_and_rotates_inputs():
-    runner, seen = fake_runner(2e-3)
-    result = timing.measure(runner, reps=4, min_rep_seconds=0.02)
+    log = []
+    result = timing.measure(fake_runner(2e-3, log=log, n_sets=3), reps=4, min_rep_seconds=0.02)
     assert math.isclose(result.median_s, 2e-3)
     assert result.calls_per_rep == 10 and result.reps == 4
-    assert set(seen) == {0, 1, 2}
+    assert {i for _, i in log} == {0, 1, 2}
 
 
 def contender(name, prepare, unavailable=None):
@@ -140,7 +144,7 @@ def raiser(err):
 
 def test_run_one_records_every_kind_of_failure_without_raising():
     cases = {
-        "ok": (contender("ok", lambda c: fake_runner()[0]), bench.OK),
+        "ok": (contender("ok", lambda c: fake_runner()), bench.OK),
         "unsup": (contender("unsup", raiser(bench.Unsupported("no D=512"))), bench.UNSUPPORTED),
         "skip": (contender("skip", raiser(bench.Skipped("too long"))), bench.SKIPPED),
         "boom": (contender("boom", raiser(RuntimeError("kaput\nline two"))), bench.ERROR),
@@ -157,29 +161,15 @@ def test_run_one_records_every_kind_of_failure_without_raising():
 
 
 def test_run_one_reports_errors_raised_while_timing():
-    def failing_call(i):
-        raise ValueError("device fault")
-
-    c = contender("late", lambda cfg: timing.Runner(call=failing_call, n_sets=1,
-                                                    clock=FakeClock(1e-3)))
+    c = contender("late", lambda cfg: fake_runner(fail_after=0))
     outcome = bench.run_one(c, None, {}, reps=2)
-    assert outcome.status == bench.ERROR and "device fault" in outcome.reason
-
-
-def shared_runner(clock, seconds_per_call, log, name, fail_after=None):
-    """A fake runner on a clock shared with others (the device is one), logging its calls."""
-    def call(i):
-        if fail_after is not None and len([x for x in log if x == name]) >= fail_after:
-            raise RuntimeError(f"{name} lost the device")
-        log.append(name)
-        clock.now += seconds_per_call
-        return i
-    return timing.Runner(call=call, n_sets=2, clock=clock)
+    assert outcome.status == bench.ERROR and "lost the device" in outcome.reason
 
 
 def test_measure_interleaved_takes_samples_in_rotating_turns():
-    clock, log = FakeClock(0.0), []
-    runners = [shared_runner(clock, t, log, name) for name, t in (("a", 1e-3), ("b", 4e-3), ("c", 2e-3))]
+    clock, log = FakeClock(), []
+    runners = [fake_runner(t, clock=clock, log=log, name=name)
+               for name, t in (("a", 1e-3), ("b", 4e-3), ("c", 2e-3))]
     results = timing.measure_interleaved(runners, reps=3, warmup=2, min_rep_seconds=0.004)
     assert [r.reps for r in results] == [3, 3, 3]
     for result, seconds in zip(results, (1e-3, 4e-3, 2e-3)):
@@ -187,7 +177,7 @@ def test_measure_interleaved_takes_samples_in_rotating_turns():
     assert [r.calls_per_rep for r in results] == [4, 1, 2]
     # Warm-up (2 calls + 1 timing call each) in order, then one sample of each per round,
     # round r starting from runner r mod 3.
-    timed = log[9:]
+    timed = [name for name, _ in log[9:]]
     samples, i = [], 0
     while i < len(timed):
         name = timed[i]
@@ -199,10 +189,10 @@ def test_measure_interleaved_takes_samples_in_rotating_turns():
 
 
 def test_measure_interleaved_keeps_timing_the_others_when_one_fails():
-    clock, log = FakeClock(0.0), []
-    runners = [shared_runner(clock, 1e-3, log, "ok"),
-               shared_runner(clock, 1e-3, log, "flaky", fail_after=5),
-               shared_runner(clock, 1e-3, log, "dead", fail_after=0)]
+    clock, log = FakeClock(), []
+    runners = [fake_runner(clock=clock, log=log, name="ok"),
+               fake_runner(clock=clock, log=log, name="flaky", fail_after=5),
+               fake_runner(clock=clock, log=log, name="dead", fail_after=0)]
     ok, flaky, dead = timing.measure_interleaved(runners, reps=4, warmup=1, min_rep_seconds=0.002)
     assert ok.reps == 4 and math.isclose(ok.median_s, 1e-3)
     assert isinstance(flaky, RuntimeError) and "flaky" in str(flaky)
@@ -212,8 +202,8 @@ def test_measure_interleaved_keeps_timing_the_others_when_one_fails():
 
 
 def test_measure_interleaved_settles_before_recording():
-    clock, log = FakeClock(0.0), []
-    runners = [shared_runner(clock, 1e-3, log, name) for name in ("a", "b")]
+    clock, log = FakeClock(), []
+    runners = [fake_runner(clock=clock, log=log, name=name) for name in ("a", "b")]
     timing.measure_interleaved(runners, reps=2, warmup=1, min_rep_seconds=0.002)
     unsettled = len(log)
     log.clear()
@@ -224,15 +214,12 @@ def test_measure_interleaved_settles_before_recording():
 
 
 def test_run_grid_interleaved_records_failures_in_contender_order():
-    clock, log = FakeClock(0.0), []
+    clock, log = FakeClock(), []
     released = []
 
     def prepare_ok(name, seconds):
-        def prepare(config):
-            runner = shared_runner(clock, seconds, log, name)
-            return timing.Runner(call=runner.call, n_sets=runner.n_sets, clock=clock,
-                                 release=lambda: released.append(name))
-        return prepare
+        return lambda config: fake_runner(seconds, clock=clock, log=log, name=name,
+                                          release=lambda: released.append(name))
 
     contenders = [contender("fast", prepare_ok("fast", 1e-3)),
                   contender("unsup", raiser(bench.Unsupported("no D=512"))),
@@ -418,8 +405,7 @@ def test_scale_suite_ring_pieces_estimate_and_report(capsys):
     assert "ring_attention" in capsys.readouterr().out
 
 
-
-def test_compiled_jax_runner_forward_and_backward():
+def test_compiled_jax_runner_forward_and_backward(rng):
     """The one step builder both suites use: forward returns o; forward+backward returns o
     and the VJP of o against the set's cotangent (checked against an explicit gradient)."""
     import jax
@@ -429,7 +415,6 @@ def test_compiled_jax_runner_forward_and_backward():
     def attend(q, k, v):
         return jnp.tanh(q * k) + v
 
-    rng = np.random.default_rng()
     sets = [tuple(jnp.asarray(rng.standard_normal((3, 4)), jnp.float32) for _ in range(4))]
     q, k, v, cot = sets[0]
     forward = timing.compiled_jax_runner(attend, [s[:3] for s in sets], backward=False)

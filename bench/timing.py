@@ -106,19 +106,23 @@ class Timing:
     calls_per_rep: int
 
 
+def fwd_bwd(attend: Callable) -> Callable:
+    """attend(q, k, v) -> o  to  step(q, k, v, cotangent) -> (o, (dq, dk, dv))."""
+    import jax
+
+    def step(q, k, v, cotangent):
+        o, pullback = jax.vjp(attend, q, k, v)
+        return o, pullback(cotangent)
+    return step
+
+
 def compiled_jax_runner(attend, sets, *, backward: bool) -> Runner:
     """A Runner over input sets for `attend(q, k, v) -> o` (forward), or for its VJP with the
     set's fourth array as the output cotangent (forward + backward). Compiled here, so that
     argument errors raised while tracing surface before any timing."""
     import jax
 
-    if backward:
-        def step(q, k, v, cotangent):
-            o, pullback = jax.vjp(attend, q, k, v)
-            return o, pullback(cotangent)
-    else:
-        step = attend
-    compiled = jax.jit(step).lower(*sets[0]).compile()
+    compiled = jax.jit(fwd_bwd(attend) if backward else attend).lower(*sets[0]).compile()
     return Runner(call=lambda i: compiled(*sets[i]), n_sets=len(sets), clock=JaxClock())
 
 
@@ -165,7 +169,7 @@ def measure_interleaved(runners: list[Runner], *, reps: int = 10, warmup: int = 
     Before the first recorded round, unrecorded rounds run for `settle_seconds`: an H100 runs
     attention at its power limit, and its power reading averages over about a second, so the
     first tenths of a second of a burst run at higher clocks than a training step keeps
-    (bench/NOTES.md, s18-7). Returns, per runner, its Timing or the exception it raised (it
+    (bench/NOTES.md). Returns, per runner, its Timing or the exception it raised (it
     then leaves the rounds)."""
     if reps < 1:
         raise ValueError(f"measure: reps must be >= 1, got {reps}")

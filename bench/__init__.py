@@ -1,9 +1,11 @@
-"""Benchmarks of tk_jax's kernels against their peers: `python -m tk_jax.bench --help`.
+"""Benchmarks of tk_jax's kernels against their peers, run from a checkout:
+`python3 -m bench --help`. A development tool, not part of the installed library.
 
 Layout of this package:
     __main__.py   command line: parses options, runs suites, writes reports
     attention.py  flash attention configurations and contenders (tk, cuDNN, FA3, XLA)
     based.py      Based linear attention contenders (tk, plain-JAX reference, fla) and decode
+    scale.py      multi-device scaling (batch-sharded attention, data-parallel LM, ring)
     timing.py     the one timing routine every contender goes through
     report.py     markdown tables, JSON and plots
     __init__.py   (this file) the shared vocabulary: Contender, Outcome, and the loop that
@@ -14,6 +16,7 @@ or fails is recorded as such in the results, and the run goes on.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import gc
@@ -23,7 +26,7 @@ import math
 import traceback
 from typing import Any, Callable, Iterable
 
-from tk_jax.bench.timing import Runner, Timing, measure_interleaved
+from bench.timing import Runner, Timing, measure_interleaved
 
 # Roles decide what the "tk / best peer" ratio compares.
 OURS = "ours"          # tk_jax's kernel: the numerator
@@ -93,6 +96,45 @@ def module_unavailable(module: str) -> str | None:
     return None
 
 
+def parse_int_list(text: str) -> list[int]:
+    """'512,1k,16k' -> [512, 1024, 16384] (an argparse type)."""
+    values = []
+    for item in text.replace(" ", "").split(","):
+        if not item:
+            continue
+        scale = 1024 if item.lower().endswith("k") else 1
+        number = item[:-1] if scale == 1024 else item
+        try:
+            value = int(number) * scale
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers such as 512,1k,16k; got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"values must be positive, got {item!r}")
+        values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one value, got {text!r}")
+    return values
+
+
+def pass_name(backward: bool) -> str:
+    return "fwd+bwd" if backward else "fwd"
+
+
+def config_dict(config) -> dict:
+    """A configuration dataclass as the results record it: its fields and its pass."""
+    return {**dataclasses.asdict(config), "pass": pass_name(config.backward)}
+
+
+def availability(contender: Contender) -> str:
+    """'version X', 'available', or 'UNAVAILABLE: why not'."""
+    why_not = contender.unavailable()
+    if why_not is not None:
+        return f"UNAVAILABLE: {why_not}"
+    version = contender.version()
+    return f"version {version}" if version else "available"
+
+
 def distribution_version(name: str) -> str:
     """Installed version of a distribution, or "" when it is not installed."""
     try:
@@ -142,7 +184,7 @@ def short_error(err: BaseException, limit: int = 300) -> str:
 
 def prepare_runner(contender: Contender, config: Any, verbose_errors: bool = False) -> Runner | tuple[str, str]:
     """The contender's runner for `config`, or (status, reason) when there is none; never raises
-    (a failing peer must not end a run). Also used by scripts/ that time or profile one contender."""
+    (a failing peer must not end a run). Also used by scripts that time or profile one contender."""
     why_not = contender.unavailable()
     if why_not is not None:
         return UNAVAILABLE, why_not

@@ -1,12 +1,13 @@
-"""Command line: `python -m tk_jax.bench attention|based|all|scale [options]`.
+"""Command line, run from the root of a checkout:
+`python3 -m bench attention|based|all|scale [options]`.
 
 Examples:
-    python -m tk_jax.bench --list                      # which contenders can run here
-    python -m tk_jax.bench attention --quick           # a few points, a minute or two
-    python -m tk_jax.bench attention --d 128 --t 4k,16k --causal yes
-    python -m tk_jax.bench based --fwd-only
-    python -m tk_jax.bench all --dry-run               # print the plan, run nothing
-    python -m tk_jax.bench scale                       # 1 vs all visible GPUs (see scale.py)
+    python3 -m bench --list                      # which contenders can run here
+    python3 -m bench attention --quick           # a few points, a minute or two
+    python3 -m bench attention --d 128 --t 4k,16k --causal yes
+    python3 -m bench based --fwd-only
+    python3 -m bench all --dry-run               # print the plan, run nothing
+    python3 -m bench scale                       # 1 vs all visible GPUs (see scale.py)
 
 Results go to <out>/<suite>-<card>.json (rewritten after every measurement, so a run cut
 short keeps what it measured), <suite>-<card>.md and <suite>-<card>.png.
@@ -21,9 +22,9 @@ import sys
 import time
 from typing import Any, Callable
 
-from tk_jax.bench import (OK, Contender, Outcome, distribution_version, run_grid, run_one,
-                          short_error)
-from tk_jax.bench import attention, based, report, scale, timing
+from bench import (Contender, Outcome, availability, config_dict, distribution_version,
+                   parse_int_list, run_grid, run_one, short_error)
+from bench import attention, based, report, scale, timing
 
 DEFAULT_OUT = os.path.join("bench", "results")
 
@@ -35,7 +36,6 @@ class Plan:
     suite: str
     configs: list
     contenders: list[Contender]
-    to_dict: Callable[[Any], dict]
     add_metrics: Callable[[Any, Outcome], None]
     table: report.TableSpec
     plot: dict                    # keyword arguments for report.write_plot
@@ -48,30 +48,9 @@ class Plan:
 # ---------------------------------------------------------------------------------------------
 # Arguments.
 
-def parse_int_list(text: str) -> list[int]:
-    """'512,1k,16k' -> [512, 1024, 16384]."""
-    values = []
-    for item in text.replace(" ", "").split(","):
-        if not item:
-            continue
-        scale = 1024 if item.lower().endswith("k") else 1
-        number = item[:-1] if scale == 1024 else item
-        try:
-            value = int(number) * scale
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated integers such as 512,1k,16k; got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"values must be positive, got {item!r}")
-        values.append(value)
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one value, got {text!r}")
-    return values
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m tk_jax.bench",
+        prog="python3 -m bench",
         description="Time tk_jax's kernels and their peers on this machine's first device.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Peers (cuDNN, FlashAttention-3, XLA, fla) are optional: whatever cannot run "
@@ -102,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sequential", action="store_true",
                         help="attention: time the contenders one after the other, each in a "
                              "short burst after its own warm-up, instead of in turns after "
-                             "--settle (the method of the grids before session 18)")
+                             "--settle")
     parser.add_argument("--contenders", type=lambda s: [x for x in s.split(",") if x],
                         help="only these contenders (names as in --list), comma-separated")
     parser.add_argument("--tk-backend", default="kernel", choices=["kernel", "auto", "reference"],
@@ -126,10 +105,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------
 # Plans.
 
-def _causal_values(choice: str) -> tuple[bool, ...]:
-    return {"both": (False, True), "yes": (True,), "no": (False,)}[choice]
-
-
 def attention_plan(args: argparse.Namespace) -> Plan:
     if args.tiny:
         t_values, d_values = attention.TINY_T, attention.TINY_D
@@ -147,12 +122,12 @@ def attention_plan(args: argparse.Namespace) -> Plan:
             print(f"note: attention {name} = {left_out} left out: must divide {total}",
                   file=sys.stderr)
     configs = attention.make_configs(
-        t_values, d_values, _causal_values(args.causal),
+        t_values, d_values, attention.CAUSAL_CHOICES[args.causal],
         (False,) if args.fwd_only else (False, True), **sizes)
     return Plan(
         suite="attention", configs=configs,
         contenders=attention.contenders(args.tk_backend),
-        to_dict=attention.config_to_dict, add_metrics=attention.add_metrics,
+        add_metrics=attention.add_metrics,
         interleave=not args.sequential,
         table=report.TableSpec(
             group_field="pass", key_fields=("d", "causal", "t", "batch", "heads"),
@@ -177,7 +152,7 @@ def based_plan(args: argparse.Namespace) -> Plan:
     return Plan(
         suite="based", configs=configs,
         contenders=based.contenders(args.tk_backend),
-        to_dict=based.config_to_dict, add_metrics=based.add_metrics,
+        add_metrics=based.add_metrics,
         table=report.TableSpec(group_field="pass", key_fields=("t", "batch", "heads"),
                                metric=lambda o: o["median_ms"], metric_name="ms",
                                higher_is_better=False),
@@ -221,16 +196,7 @@ def describe_environment(*, measure_overhead: bool) -> dict:
 
 def describe_contenders(contenders: list[Contender]) -> dict:
     """name -> what it calls, and its version or why it cannot run here."""
-    described = {}
-    for contender in contenders:
-        why_not = contender.unavailable()
-        if why_not is None:
-            version = contender.version()
-            state = f"version {version}" if version else "available"
-        else:
-            state = f"UNAVAILABLE: {why_not}"
-        described[contender.name] = f"{contender.description}; {state}"
-    return described
+    return {c.name: f"{c.description}; {availability(c)}" for c in contenders}
 
 
 def card_name(args: argparse.Namespace) -> str:
@@ -254,15 +220,6 @@ def header_lines(environment: dict, plans: list[Plan]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # Running a plan.
-
-def _progress_line(index: int, total: int, label: str, outcome: Outcome) -> str:
-    if outcome.status == OK:
-        metrics = "  ".join(f"{k}={report.format_number(v)}" for k, v in outcome.metrics.items())
-        result = f"{report.format_number(outcome.median_ms)} ms  {metrics}"
-    else:
-        result = f"{outcome.status.upper()}: {outcome.reason}"
-    return f"[{index:>3}/{total}] {label:<42} {outcome.contender:<16} {result}"
-
 
 def run_decode(plan: Plan, args: argparse.Namespace) -> dict:
     """The decode step next to its memory floor (bytes of state read and written, at the
@@ -314,12 +271,13 @@ def run_plan(plan: Plan, args: argparse.Namespace, environment: dict, card: str)
 
     def on_outcome(config, outcome: Outcome) -> None:
         fresh.append(dataclasses.asdict(outcome))
-        print(_progress_line(len(fresh), total, config.label(), outcome), flush=True)
+        print(f"[{len(fresh):>3}/{total}] {config.label():<42} {outcome.contender:<16} "
+              f"{report.outcome_summary(fresh[-1])}", flush=True)
         document["results"] = report.merge_outcomes(previous, fresh)
         report.write_json(json_path, document)
 
     try:
-        run_grid(plan.configs, plan.contenders, reps=args.reps, to_dict=plan.to_dict,
+        run_grid(plan.configs, plan.contenders, reps=args.reps, to_dict=config_dict,
                  add_metrics=plan.add_metrics, on_outcome=on_outcome,
                  verbose_errors=args.verbose, interleave=plan.interleave,
                  settle_seconds=args.settle if plan.interleave else 0.0)
@@ -366,10 +324,7 @@ def print_contenders(plans: list[Plan]) -> None:
     for plan in plans:
         print(f"{plan.suite}:")
         for c in plan.contenders:
-            why_not = c.unavailable()
-            state = f"available {c.version()}".rstrip() if why_not is None else \
-                f"UNAVAILABLE ({why_not})"
-            print(f"  {c.name:<16} {c.role:<9} {state}\n  {'':<16} {c.description}")
+            print(f"  {c.name:<16} {c.role:<9} {availability(c)}\n  {'':<16} {c.description}")
         if plan.decode_shape is not None:
             print(f"  (+ decode step B={plan.decode_shape[0]} H={plan.decode_shape[1]})")
 
@@ -389,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     # jax.devices() below), which would starve PyTorch (fla) in the same process.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     args = parse_args(argv)
-    args.command = " ".join(["python -m tk_jax.bench"] + (sys.argv[1:] if argv is None else argv))
+    args.command = " ".join(["python3 -m bench"] + (sys.argv[1:] if argv is None else argv))
     if args.suite == "scale":  # one device against all visible devices: its own runner
         environment = describe_environment(measure_overhead=not (args.list or args.dry_run))
         return scale.run_suite(args, environment, card_name(args))

@@ -3,31 +3,34 @@
 Each of `sms` SMs runs one block at a time; blocks start in launch order on the SM that frees
 first; a block's time is its key tiles (the band it sees) plus a fixed start-up and write-out.
 Prints, per shape, the last SM's finish over the mean (1.00 = perfectly even) and the time
-against main's order for three ways of running the forward's query blocks:
+against the first order for three ways of running the forward's query blocks:
 - pair after pair: the plain grid, each (batch, head) pair's heaviest query block first
-  (main's order for pairs with more than sms/2 query blocks);
-- groups of pairs, position-major inside a group (block_order's order in the backward;
-  session 21 timed it for the forward and did not keep it);
+  (the forward's order for pairs with more than sms/2 query blocks);
+- groups of pairs, position-major inside a group (the backward's block_order; timed for the
+  forward and not kept there);
 - paired items: half as many blocks as query blocks, each a query block and its mirror, whose
-  second item costs --second-overhead tiles on top of its tiles (main's order under a band
-  with more than 4096 keys and at most sms/2 query blocks a pair since session 22; measured
-  at causal 8k, s22-1: D=256 +6.4% against the model's +7.7..+9.3%, D=128 +0.5% against
-  +2.1..+5.1%, D=64 -1.1% against +0.5..+1.9%):
+  second item costs --second-overhead tiles on top of its tiles (the forward's order under a
+  band with more than 4096 keys and at most sms/2 query blocks a pair; measured at causal 8k:
+  D=256 +6.4% against the model's +7.7..+9.3%, D=128 +0.5% against +2.1..+5.1%, D=64 -1.1%
+  against +0.5..+1.9%):
 
-    python3 scripts/balance_model.py --d 128 --t 8k
+    python3 scripts/experiments/balance_model.py --d 128 --t 8k
 
 With --backward it models the causal backward's grid instead: key blocks of 128 keys (at
 D=256 clusters of two 64-key blocks, on sms/2 pairs of SMs), each as long as the 64-row query
-tiles it walks, pair after pair or in the launcher's L2-sized groups of pairs (session 23:
-main's D=256 causal 8k and 16k grids end within 0.1% of even).
+tiles it walks, pair after pair or in the launcher's L2-sized groups of pairs (the D=256
+causal 8k and 16k grids end within 0.1% of even).
 
 The model ignores L2, clocks and how wgmma work overlaps; bench/NOTES.md compares it with
-measurements (sessions 20-22; a per-block trace in s21-10 agrees at D=128 causal 8k)."""
+measurements (a per-block trace agrees with it at D=128 causal 8k)."""
 import argparse
 import heapq
+import pathlib
+import sys
 
-from tk_jax.bench.__main__ import parse_int_list
-from tk_jax.bench.attention import make_configs
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the checkout's bench/
+from bench import parse_int_list
+from bench.attention import make_configs
 
 
 def grouped(runs, pairs, group):
@@ -62,7 +65,7 @@ def main():
     parser.add_argument("--t", type=parse_int_list, default=[8192])
     parser.add_argument("--sms", type=int, default=132)
     parser.add_argument("--overhead", type=float, default=3.0,
-                        help="a block's fixed cost, in key tiles (D=128 traced: 3.1, s21-10)")
+                        help="a block's fixed cost, in key tiles (D=128 traced: 3.1)")
     parser.add_argument("--second-overhead", type=float, default=2.0,
                         help="the fixed cost of a paired block's second item, in key tiles")
     parser.add_argument("--backward", action="store_true", help="model the backward's key blocks")

@@ -1,11 +1,11 @@
-"""Multi-device scaling: `python -m tk_jax.bench scale`.
+"""Multi-device scaling: `python3 -m bench scale`.
 
 Compares one device with all N visible devices (N = len(jax.devices()); with one device only
 the one-device numbers are measured, and the report says so):
 
   1. attention  flash_attention fwd+bwd (causal, D=128, T=4096, global batch 16 x 16 heads):
                 the whole batch on one device, then a batch-sharded jit on N devices (the
-                partitioning rule of tk_jax/sharding.py splits the kernel calls; no collective
+                partitioning rules of tk_jax/_partitioning.py split the kernel calls; no collective
                 is expected, and the compiled program's collectives are reported).
   2. lm         a data-parallel training step of a small BasedLM (tk_jax.nn) with optax adamw:
                 global batch sharded over the devices, parameters replicated, jit with
@@ -31,11 +31,11 @@ import re
 import time
 from typing import Callable
 
-from tk_jax.bench import (OK, OURS, Contender, Skipped, Unsupported, random_normal_sets,
-                          run_one)
-from tk_jax.bench import report
-from tk_jax.bench.attention import AttentionConfig, attention_flops
-from tk_jax.bench.timing import JaxClock, Runner
+from bench import (OK, OURS, Contender, Skipped, Unsupported, random_normal_sets,
+                   run_one)
+from bench import report
+from bench.attention import AttentionConfig, attention_flops
+from bench.timing import JaxClock, Runner, fwd_bwd
 
 SUITE = "scale"
 ATTENTION, LM, RING = "attention", "lm", "ring"
@@ -63,11 +63,10 @@ class Sizes:
     attn_heads: int = 16
     attn_t: int = 4096
     attn_d: int = 128
-    # 2. data-parallel BasedLM, the model of issue 4's training-step target (d_model 1024, 12
-    # layers, T=4096): "swa" puts sliding-window attention layers (the attention kernel under
-    # the batch-sharded jit) between the Based layers. (Until 2026-11-26: d_model 256, 4 layers,
-    # 32 x 1024 tokens, a step of ~7 ms in which the gradient all-reduce and launch overheads
-    # weighed too much to say anything about training.)
+    # 2. data-parallel BasedLM, a training-step-sized model (d_model 1024, 12 layers, T=4096):
+    # "swa" puts sliding-window attention layers (the attention kernel under the batch-sharded
+    # jit) between the Based layers. A much smaller step is dominated by the gradient
+    # all-reduce and launch overheads and says little about training.
     lm_batch: int = 8
     lm_seq: int = 4096
     lm_vocab: int = 8192
@@ -105,7 +104,7 @@ class RingBlock:
 
 def ring_step_blocks(t: int, n: int) -> list[RingBlock]:
     """The blocks one device computes in causal load-balanced ring attention over `n` devices
-    (see tk_jax/sharding.py): step 0 is its own block of t/n positions under the causal mask;
+    (see tk_jax/ring.py): step 0 is its own block of t/n positions under the causal mask;
     each of the n-1 other steps is unmasked work of (t/n) x (t/2n) pairs (all local queries
     against the first half of the visiting keys, or the second half of the queries against
     all of them: the same work; the first shape is the one timed)."""
@@ -174,16 +173,6 @@ def _random_on_mesh(shapes, mesh, specs, *, seed: int, dtype: str = "bfloat16") 
     return tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(arrays, specs))
 
 
-def _fwd_bwd(attend: Callable) -> Callable:
-    """attend(q, k, v) -> o  to  step(q, k, v, do) -> (o, (dq, dk, dv))."""
-    import jax
-
-    def step(q, k, v, do):
-        o, pullback = jax.vjp(attend, q, k, v)
-        return o, pullback(do)
-    return step
-
-
 def _compile(fn, args, extra: dict, **jit_kwargs):
     """jit(fn) compiled for `args`; the collectives of the compiled program go into extra.
     A ValueError while tracing is how backend="kernel" declines: reported as unsupported."""
@@ -227,16 +216,16 @@ def prepare_flash(extra: dict, *, devices, batch, tq, tk, heads, d, causal, spec
     q_shape, kv_shape = (batch, tq, heads, d), (batch, tk, heads, d)
     args = _random_on_mesh([q_shape, kv_shape, kv_shape, q_shape], mesh, [spec] * 4, seed=seed)
     attend = functools.partial(tk_jax.flash_attention, causal=causal, backend=backend)
-    compiled = _compile(_fwd_bwd(attend), args, extra)
+    compiled = _compile(fwd_bwd(attend), args, extra)
     return _runner(lambda i: compiled(*args), devices)
 
 
 def prepare_ring(extra: dict, *, devices, t, sizes: Sizes, backend, seed=0) -> Runner:
     """Causal load-balanced ring_attention fwd+bwd, the sequence split over `devices`. The
     inputs are random, so they count as already being in the load-balanced layout."""
+    import jax
     import tk_jax
     from jax.sharding import PartitionSpec as P
-    from tk_jax import sharding
 
     n = len(devices)
     if n < 2:
@@ -249,8 +238,8 @@ def prepare_ring(extra: dict, *, devices, t, sizes: Sizes, backend, seed=0) -> R
     args = _random_on_mesh([shape] * 4, mesh, [spec] * 4, seed=seed)
     attend = functools.partial(tk_jax.ring_attention, axis_name="seq", causal=True,
                                load_balanced=True, backend=backend)
-    ring = sharding.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
-    compiled = _compile(_fwd_bwd(ring), args, extra)
+    ring = jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    compiled = _compile(fwd_bwd(ring), args, extra)
     return _runner(lambda i: compiled(*args), devices)
 
 
@@ -258,9 +247,9 @@ def prepare_ring_transfer(extra: dict, *, devices, t, sizes: Sizes, dtype: str,
                           seed=0) -> Runner:
     """One ring hop alone: every device sends its (t/n)-position pair of K,V-shaped blocks in
     `dtype` to the next device (lax.ppermute, as ring attention does)."""
+    import jax
     from jax import lax
     from jax.sharding import PartitionSpec as P
-    from tk_jax import sharding
 
     n = len(devices)
     if n < 2:
@@ -272,7 +261,7 @@ def prepare_ring_transfer(extra: dict, *, devices, t, sizes: Sizes, dtype: str,
     shape = (sizes.ring_batch, t, sizes.ring_heads, sizes.ring_d)
     args = _random_on_mesh([shape] * 2, mesh, [spec] * 2, seed=seed, dtype=dtype)
     perm = [(i, (i + 1) % n) for i in range(n)]
-    send = sharding.shard_map(lambda a, b: lax.ppermute((a, b), "seq", perm), mesh=mesh,
+    send = jax.shard_map(lambda a, b: lax.ppermute((a, b), "seq", perm), mesh=mesh,
                               in_specs=(spec, spec), out_specs=(spec, spec))
     compiled = _compile(send, args, extra)
     return _runner(lambda i: compiled(*args), devices)
@@ -361,12 +350,8 @@ class Recorder:
         result["metrics"].update(extra)
         self.document["results"].append(result)
         report.write_json(self.json_path, self.document)
-        if result["status"] == OK:
-            facts = "  ".join(f"{k}={v}" for k, v in extra.items())
-            line = f"{report.format_number(result['median_ms'])} ms  {facts}"
-        else:
-            line = f"{result['status'].upper()}: {result['reason']}"
-        print(f"[{len(self.document['results']):>2}] {_label(config):<68} {line}", flush=True)
+        print(f"[{len(self.document['results']):>2}] {_label(config):<68} "
+              f"{report.outcome_summary(result)}", flush=True)
         return result
 
     def skip(self, config: dict, reason: str) -> dict:
@@ -421,30 +406,6 @@ def measure_all(rec: Recorder, devices, sizes: Sizes, *, backend: str, lm_backen
 # ---------------------------------------------------------------------------------------------
 # Report.
 
-class Notes:
-    """Numbered footnotes for the table cells that hold no number."""
-
-    def __init__(self):
-        self.numbers: dict[tuple, int] = {}
-
-    def cell(self, result: dict | None) -> str:
-        if result is None:
-            return "-"
-        reason = result.get("reason", "")
-        oom = re.search(r"RESOURCE_EXHAUSTED|out of memory", reason, re.IGNORECASE)
-        label = "OOM" if oom else report.STATUS_CELL.get(result["status"], result["status"])
-        # One note per measurement kind and reason (not per sequence length).
-        key = (result["config"].get("name", result["contender"]), result["status"], reason)
-        return f"{label} [{self.numbers.setdefault(key, len(self.numbers) + 1)}]"
-
-    def text(self) -> str:
-        if not self.numbers:
-            return ""
-        lines = [f"- [{n}] {name}: {status}: {reason or '(no reason given)'}"
-                 for (name, status, reason), n in self.numbers.items()]
-        return "Notes:\n\n" + "\n".join(lines)
-
-
 def _ok_ms(result: dict | None) -> float | None:
     return result["median_ms"] if result is not None and result["status"] == OK else None
 
@@ -453,9 +414,19 @@ def _fmt(value, suffix: str = "") -> str:
     return "-" if value is None else report.format_number(value) + suffix
 
 
-def _short_count(t: int) -> str:
-    """32768 -> '32k'."""
-    return f"{t // 1024}k" if t >= 1024 and t % 1024 == 0 else str(t)
+def _tflops(flops: float, ms: float | None, devices: int = 1) -> float | None:
+    return ms and flops / (ms * 1e-3) / 1e12 / devices
+
+
+def _causal_fwd_bwd_flops(t: int, d: int, batch: int, heads: int) -> float:
+    return attention_flops(AttentionConfig(t=t, d=d, causal=True, backward=True, batch=batch,
+                                           heads=heads))
+
+
+def _weighted_ms(parts: list[tuple[int, dict | None]]) -> float | None:
+    """The sum of count x time over (count, result) pairs; None if a time is missing."""
+    times = [_ok_ms(r) for _, r in parts]
+    return None if None in times else sum(count * ms for (count, _), ms in zip(parts, times))
 
 
 def _collectives_cell(result: dict | None) -> str:
@@ -467,7 +438,11 @@ def _collectives_cell(result: dict | None) -> str:
 
 def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
     """Markdown: one table per part, how each number is computed, and notes for failures."""
-    notes = Notes()
+    notes = report.Notes()
+
+    def note(result):  # one note per measurement kind and reason (not per sequence length)
+        return notes.cell(result["config"].get("name", result["contender"]), result["status"],
+                          result.get("reason", ""))
 
     def find(part, name, devices, **fields):
         for r in reversed(results):  # the latest measurement of that point
@@ -477,18 +452,16 @@ def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
                 return r
         return None
 
-    def ms_cell(result):
-        value = _ok_ms(result)
-        return notes.cell(result) if value is None and result is not None else _fmt(value)
+    def ms_cell(value, parts):  # a failed measurement explains a missing number
+        failed = [r for r in parts if r is not None and r["status"] != OK]
+        return note(failed[0]) if value is None and failed else _fmt(value)
 
     sections = []
     if n <= 1:
         sections.append("**Only 1 device visible: N=1 only** (no multi-device numbers).")
 
     # 1. Attention.
-    flops = attention_flops(AttentionConfig(t=sizes.attn_t, d=sizes.attn_d, causal=True,
-                                            backward=True, batch=sizes.attn_batch,
-                                            heads=sizes.attn_heads))
+    flops = _causal_fwd_bwd_flops(sizes.attn_t, sizes.attn_d, sizes.attn_batch, sizes.attn_heads)
     base = _ok_ms(find(ATTENTION, SHARDED_ATTENTION, 1))
     rows = []
     for count in device_counts(n):
@@ -496,9 +469,8 @@ def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
         ms = _ok_ms(r)
         speedup = base / ms if base and ms else None
         rows.append([str(count), str(sizes.attn_batch), str(sizes.attn_batch // count),
-                     ms_cell(r), _fmt(ms and flops / (ms * 1e-3) / 1e12 / count),
-                     _fmt(speedup, "x"), _fmt(speedup and 100 * speedup / count, "%"),
-                     _collectives_cell(r)])
+                     ms_cell(ms, [r]), _fmt(_tflops(flops, ms, count)), _fmt(speedup, "x"),
+                     _fmt(speedup and 100 * speedup / count, "%"), _collectives_cell(r)])
     sections.append(
         f"### 1. Batch-sharded attention: flash_attention fwd+bwd, causal, D={sizes.attn_d}, "
         f"T={sizes.attn_t}, global batch {sizes.attn_batch} x {sizes.attn_heads} heads\n\n"
@@ -519,9 +491,9 @@ def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
             r = find(LM, LM_STEP, count, batch=batch)
             ms = _ok_ms(r)
             per_s = ms and batch * sizes.lm_seq / (ms * 1e-3)
-            loss = r["metrics"].get("first_step_loss") if r is not None and ms else None
-            rows.append([str(count), str(batch), str(batch // count), ms_cell(r), _fmt(per_s),
-                         _fmt(per_s and per_s / count),
+            loss = r["metrics"].get("first_step_loss") if ms else None
+            rows.append([str(count), str(batch), str(batch // count), ms_cell(ms, [r]),
+                         _fmt(per_s), _fmt(per_s and per_s / count),
                          _fmt(per_s / base_per_s if per_s and base_per_s else None, "x"),
                          _collectives_cell(r), _fmt(loss)])
     backend = (base_r or {}).get("config", {}).get("backend", "?")
@@ -539,38 +511,25 @@ def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
           "run). Parameters are replicated; the gradients are all-reduced (the only "
           "collective expected).")
 
-    # 3. Ring attention.
+    # 3. Ring attention, and the estimate from its pieces timed alone.
     rows = []
     for t in ring_t:
         flash_r, ring_r = find(RING, FLASH_WHOLE, 1, t=t), find(RING, RING_ATTENTION, n, t=t)
         flash_ms, ring_ms = _ok_ms(flash_r), _ok_ms(ring_r)
-        flops = attention_flops(AttentionConfig(t=t, d=sizes.ring_d, causal=True,
-                                                backward=True, batch=sizes.ring_batch,
-                                                heads=sizes.ring_heads))
-        steps = [(b, find(RING, b.name, 1, t=t)) for b in ring_step_blocks(t, max(n, 2))]
+        flops = _causal_fwd_bwd_flops(t, sizes.ring_d, sizes.ring_batch, sizes.ring_heads)
+        steps = [(b.count, find(RING, b.name, 1, t=t)) for b in ring_step_blocks(t, max(n, 2))]
         sends = [(count, find(RING, name, n, t=t))
                  for count, name in zip(ring_transfers(max(n, 2)), (SEND_KV, SEND_DKV))]
-        step_ms = [_ok_ms(r) for _, r in steps]
-        send_ms = [_ok_ms(r) for _, r in sends]
-        compute = (sum(b.count * ms for (b, _), ms in zip(steps, step_ms))
-                   if all(ms is not None for ms in step_ms) else None)
-        comm = (sum(count * ms for (count, _), ms in zip(sends, send_ms))
-                if all(ms is not None for ms in send_ms) else None)
+        compute, comm = _weighted_ms(steps), _weighted_ms(sends)
         estimate = (hidden_comm(ring_ms, compute, comm)
                     if None not in (ring_ms, compute, comm) else {})
-
-        def missing(value, parts):  # a failed piece explains a missing derived number
-            failed = [r for _, r in parts if r is not None and r["status"] != OK]
-            return notes.cell(failed[0]) if value is None and failed else _fmt(value)
-
         fraction = estimate.get("hidden_fraction")
         rows.append([
-            _short_count(t), ms_cell(flash_r), ms_cell(ring_r),
+            report.short_count(t), ms_cell(flash_ms, [flash_r]), ms_cell(ring_ms, [ring_r]),
             _fmt(flash_ms / ring_ms if flash_ms and ring_ms else None, "x"),
-            _fmt(ring_ms and flops / (ring_ms * 1e-3) / 1e12 / n),
-            _fmt(flash_ms and flops / (flash_ms * 1e-3) / 1e12),
-            missing(compute, steps), _fmt(estimate.get("overhead_ms")),
-            missing(comm, sends),
+            _fmt(_tflops(flops, ring_ms, n)), _fmt(_tflops(flops, flash_ms)),
+            ms_cell(compute, [r for _, r in steps]), _fmt(estimate.get("overhead_ms")),
+            ms_cell(comm, [r for _, r in sends]),
             "-" if fraction is None else f"{100 * fraction:.0f}%"])
     sections.append(
         f"### 3. Ring attention on {n} device(s) vs flash_attention on 1: fwd+bwd, causal, "
@@ -623,7 +582,7 @@ def describe_plan(args, num_devices: int) -> str:
 
 
 def run_suite(args, environment: dict, card: str) -> int:
-    """`python -m tk_jax.bench scale`: measure, print the tables, write JSON and markdown."""
+    """`python3 -m bench scale`: measure, print the tables, write JSON and markdown."""
     import jax
 
     ignored = [flag for flag, given in (("--quick", args.quick), ("--d", args.d),

@@ -7,13 +7,14 @@ This script separates the two. Each contender runs one cell alone for --seconds 
 second half of each run it prints TFLOP/s, the median MHz and W, and TFLOP/s per GHz (work per
 cycle) and per kW (work per joule):
 
-    python3 scripts/power_probe.py --d 128 --t 16k --contenders tk,fa3
-    python3 scripts/power_probe.py --d 256 --t 8k --causal yes --fwd-only --contenders tk,cudnn
+    python3 scripts/experiments/power_probe.py --d 128 --t 16k --contenders tk,fa3
+    python3 scripts/experiments/power_probe.py --d 256 --t 8k --causal yes --fwd-only --contenders tk,cudnn
 
 The cells are the bench grid's (B * T = 16384 tokens, Hq * D = 2048). Needs nvidia-smi."""
 import argparse
 import csv
 import datetime
+import pathlib
 import shutil
 import statistics
 import subprocess
@@ -21,8 +22,8 @@ import sys
 import tempfile
 import time
 
-from tk_jax.bench import Runner, attention, prepare_runner
-from tk_jax.bench.__main__ import parse_int_list
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the checkout's bench/
+from bench import Runner, attention, parse_int_list, prepare_runner
 
 
 def run_alone(runner, seconds: float) -> tuple[float, float, int]:
@@ -72,8 +73,8 @@ def main():
         parser.error(f"--contenders: unknown {unknown}; the bench knows {sorted(available)}")
     if shutil.which("nvidia-smi") is None:
         parser.error("needs nvidia-smi (an NVIDIA GPU machine) to read the SM clock and power")
-    causal = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
-    configs = attention.make_configs(args.t, args.d, causal, (False,) if args.fwd_only else (True,))
+    configs = attention.make_configs(args.t, args.d, attention.CAUSAL_CHOICES[args.causal],
+                                     (False,) if args.fwd_only else (True,))
 
     log = tempfile.NamedTemporaryFile(suffix=".csv", delete=False).name
     log_file = open(log, "w")

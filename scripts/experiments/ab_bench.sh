@@ -4,17 +4,18 @@
 # A variant is a folder .ab/<name>/ holding its cpp/ and tk_jax/ (copies from a checkout of
 # that variant; .ab/ is ignored, so name it in the device tool's carry). Rounds run in the
 # order given: mirror it (m c c m) so that drift in clocks cancels. Each point is timed after
-# the bench's --settle second, at the clocks the card sustains (rounds of one variant agree
-# within ~1%, bench/NOTES.md s18-9; burst-timed rounds differed by up to 6%). Before each round only the
+# the bench's --settle second, at the clocks the card sustains (rounds of one variant then
+# agree within ~1%; burst-timed rounds differed by up to 6%). Before each round only the
 # files that differ from the tree in place are copied over it, so ninja rebuilds only the
-# translation units that include them.
+# translation units that include them. The bench itself (bench/) is the checkout's in every
+# round.
 #
-# Usage: scripts/ab_bench.sh "<tk_jax.bench attention arguments>" m c c m
-#   e.g. scripts/ab_bench.sh "--d 128 --t 4k,16k --reps 7" m c c m
+# Usage: scripts/experiments/ab_bench.sh "<python3 -m bench attention arguments>" m c c m
+#   e.g. scripts/experiments/ab_bench.sh "--d 128 --t 4k,16k --reps 7" m c c m
 # Prints a table last: one row per cell, the mean TFLOP/s of each variant over its rounds, and
 # each round's number. The log (and the table so far, ab_table.md) go to $OUT when set.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BENCH_ARGS="$1"
 shift
 LOG="${OUT:-/tmp/tk_jax_ab}/ab.log"
@@ -94,7 +95,7 @@ EOF
     continue
   fi
   echo "round $round ($variant): built in $(($(date +%s) - start)) s" | tee -a "$LOG"
-  python3 -m tk_jax.bench attention $BENCH_ARGS --contenders tk --no-plot \
+  python3 -m bench attention $BENCH_ARGS --contenders tk --no-plot \
     --out "$WORK/r$round-$variant" >>"$LOG" 2>&1 || echo "round $round ($variant): bench exit $?" | tee -a "$LOG"
   summarize "${@:1:$round}" >"$(dirname "$LOG")/ab_table.md"
 done

@@ -11,9 +11,9 @@ import dataclasses
 import functools
 import math
 
-from tk_jax.bench import (BASELINE, OURS, PEER, Contender, Outcome, Skipped, Unsupported,
-                          distribution_version, module_unavailable, random_normal_sets)
-from tk_jax.bench.timing import Runner, compiled_jax_runner, input_sets_needed
+from bench import (BASELINE, OURS, PEER, Contender, Outcome, Skipped, Unsupported,
+                   distribution_version, module_unavailable, pass_name, random_normal_sets)
+from bench.timing import Runner, compiled_jax_runner, input_sets_needed
 
 TOKENS = 16384
 MODEL_WIDTH = 2048
@@ -25,6 +25,7 @@ TINY_TOKENS, TINY_WIDTH, TINY_T, TINY_D = 256, 128, (64, 128), (32,)  # CPU smok
 XLA_MAX_T = 4096         # XLA materialises the T x T scores: keep memory sane
 FA3_MAX_HEAD_DIM = 128   # the published flash_attn3_jax wheel ships hdim128 kernels only
 BACKWARD_FLOP_FACTOR = 2.5  # backward = 2.5 x forward, so forward+backward = 3.5 x forward
+CAUSAL_CHOICES = {"both": (False, True), "yes": (True,), "no": (False,)}  # --causal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,13 +37,10 @@ class AttentionConfig:
     batch: int
     heads: int
 
-    @property
-    def pass_name(self) -> str:
-        return "fwd+bwd" if self.backward else "fwd"
-
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
-        return f"D={self.d} T={self.t} {mask} {self.pass_name} (B={self.batch} H={self.heads})"
+        return (f"D={self.d} T={self.t} {mask} {pass_name(self.backward)} "
+                f"(B={self.batch} H={self.heads})")
 
 
 def make_configs(t_values, d_values, causal_values, backward_values, *, tokens=TOKENS,
@@ -76,10 +74,6 @@ def add_metrics(config: AttentionConfig, outcome: Outcome) -> None:
     outcome.metrics["tflops"] = attention_flops(config) / (outcome.median_ms * 1e-3) / 1e12
 
 
-def config_to_dict(config: AttentionConfig) -> dict:
-    return {**dataclasses.asdict(config), "pass": config.pass_name}
-
-
 # ---------------------------------------------------------------------------------------------
 # Running a JAX attention function on one configuration.
 
@@ -97,10 +91,6 @@ def jax_attention_runner(attend, config: AttentionConfig) -> Runner:
 
 # ---------------------------------------------------------------------------------------------
 # Contenders.
-
-
-
-
 
 def _tk_contender(backend: str) -> Contender:
     def prepare(config: AttentionConfig) -> Runner:

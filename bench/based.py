@@ -8,11 +8,12 @@ transpose internally).
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from tk_jax.bench import (BASELINE, OURS, PEER, Contender, Outcome, Unsupported,
-                          distribution_version, module_unavailable, random_normal_sets)
-from tk_jax.bench.timing import (JaxClock, Runner, TorchCudaClock, compiled_jax_runner,
-                                 input_sets_needed, measure)
+from bench import (BASELINE, OURS, PEER, Contender, Outcome, Unsupported,
+                   distribution_version, module_unavailable, pass_name, random_normal_sets)
+from bench.timing import (JaxClock, Runner, TorchCudaClock, compiled_jax_runner,
+                          input_sets_needed, measure)
 
 BATCH, HEADS, FEATURE, VALUE_DIM = 16, 16, 16, 64
 T_GRID = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -33,12 +34,8 @@ class BasedConfig:
     feature: int = FEATURE
     value_dim: int = VALUE_DIM
 
-    @property
-    def pass_name(self) -> str:
-        return "fwd+bwd" if self.backward else "fwd"
-
     def label(self) -> str:
-        return f"T={self.t} {self.pass_name} (B={self.batch} H={self.heads})"
+        return f"T={self.t} {pass_name(self.backward)} (B={self.batch} H={self.heads})"
 
 
 def make_configs(t_values, backward_values, *, batch=BATCH, heads=HEADS) -> list[BasedConfig]:
@@ -46,30 +43,24 @@ def make_configs(t_values, backward_values, *, batch=BATCH, heads=HEADS) -> list
             for backward in backward_values for t in t_values]
 
 
-def config_to_dict(config: BasedConfig) -> dict:
-    return {**dataclasses.asdict(config), "pass": config.pass_name}
-
-
 def add_metrics(config: BasedConfig, outcome: Outcome) -> None:
     """Based is reported in milliseconds; tokens per second is added for scale."""
     outcome.metrics["mtokens_per_s"] = config.batch * config.t / (outcome.median_ms * 1e-3) / 1e6
 
 
-def _bytes_per_set(config: BasedConfig) -> int:
-    qk = 2 * config.batch * config.t * config.heads * config.feature
-    vo = (2 if config.backward else 1) * config.batch * config.t * config.heads * config.value_dim
-    return 2 * (qk + vo)  # bf16
+def _shapes(config: BasedConfig) -> list[tuple[int, ...]]:
+    """q, k, v [B, T, H, D], and the output cotangent for fwd+bwd."""
+    qk_shape = (config.batch, config.t, config.heads, config.feature)
+    v_shape = (config.batch, config.t, config.heads, config.value_dim)
+    return [qk_shape, qk_shape, v_shape] + ([v_shape] if config.backward else [])
+
+
+def _input_sets(config: BasedConfig) -> int:
+    return input_sets_needed(2 * sum(math.prod(shape) for shape in _shapes(config)))  # bf16
 
 
 # ---------------------------------------------------------------------------------------------
 # tk_jax contenders (JAX).
-
-def _jax_inputs(config: BasedConfig, n_sets: int, seed: int = 0):
-    """`n_sets` tuples (q, k, v[, cotangent]) of random normal bf16 arrays [B, T, H, D]."""
-    qk_shape = (config.batch, config.t, config.heads, config.feature)
-    v_shape = (config.batch, config.t, config.heads, config.value_dim)
-    shapes = [qk_shape, qk_shape, v_shape] + ([v_shape] if config.backward else [])
-    return random_normal_sets(shapes, n_sets, seed=seed)
 
 
 def _tk_contender(backend: str) -> Contender:
@@ -79,7 +70,7 @@ def _tk_contender(backend: str) -> Contender:
         def attend(q, k, v):
             return tk_jax.based_linear_attention(q, k, v, backend=backend)
 
-        sets = _jax_inputs(config, input_sets_needed(_bytes_per_set(config)))
+        sets = random_normal_sets(_shapes(config), _input_sets(config))
         try:
             return compiled_jax_runner(attend, sets, backward=config.backward)
         except ValueError as err:
@@ -148,7 +139,7 @@ def _fla_contender(function_name: str) -> Contender:
         from fla.ops import based as fla_based
 
         attend = getattr(fla_based, function_name)
-        sets = _torch_inputs(config, input_sets_needed(_bytes_per_set(config)))
+        sets = _torch_inputs(config, _input_sets(config))
 
         if config.backward:
             def call(i):
@@ -203,19 +194,15 @@ def copy_bandwidth_bytes_per_s(reps: int, n_bytes: int = 512 * 2**20) -> float:
     return 2 * n_bytes / timing.median_s
 
 
-def _decode_inputs(batch: int, heads: int, n_sets: int, seed: int = 0):
-    """(q_t, k_t, v_t, state) tuples: q_t, k_t [B, H, F], v_t [B, H, Dv] bf16 and the state
-    (S, z) that the reference returns after a short random prompt."""
+def _prefilled_state(batch: int, heads: int):
+    """The state (S, z) that the reference returns after a short random prompt."""
     import jax
     import tk_jax
 
-    prefill = jax.jit(lambda q, k, v: tk_jax.based_linear_attention(
-        q, k, v, return_state=True, backend="reference")[1])
     prompt = BasedConfig(t=DECODE_PROMPT, backward=False, batch=batch, heads=heads)
-    prompts = _jax_inputs(prompt, n_sets, seed=seed)
-    tokens = random_normal_sets([(batch, heads, FEATURE), (batch, heads, FEATURE),
-                                 (batch, heads, VALUE_DIM)], n_sets, seed=seed + 1)
-    return [(*token, prefill(*prompt_set)) for token, prompt_set in zip(tokens, prompts)]
+    q, k, v = random_normal_sets(_shapes(prompt), 1)[0]
+    return jax.jit(lambda q, k, v: tk_jax.based_linear_attention(
+        q, k, v, return_state=True, backend="reference")[1])(q, k, v)
 
 
 def decode_contender(batch: int, heads: int) -> Contender:
@@ -226,7 +213,7 @@ def decode_contender(batch: int, heads: int) -> Contender:
         import jax.numpy as jnp
         import tk_jax
 
-        q, k, v, state = _decode_inputs(batch, heads, 1)[0]
+        state = _prefilled_state(batch, heads)
         tokens = random_normal_sets([(DECODE_STEPS, batch, heads, FEATURE),
                                      (DECODE_STEPS, batch, heads, FEATURE),
                                      (DECODE_STEPS, batch, heads, VALUE_DIM)], 1, seed=2)[0]

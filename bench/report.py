@@ -11,10 +11,11 @@ import os
 import re
 from typing import Callable, Iterable
 
-from tk_jax.bench import OK, OURS, PEER
+from bench import OK, OURS, PEER
 
 # How a status that is not "ok" shows in a table cell.
 STATUS_CELL = {"unsupported": "unsup.", "skipped": "skip", "unavailable": "n/a", "error": "error"}
+OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|out of memory", re.IGNORECASE)
 
 
 def sanitize_card_name(device_kind: str) -> str:
@@ -39,9 +40,18 @@ def format_number(value: float) -> str:
     return f"{value:.2e}"
 
 
-def _short_count(n: int) -> str:
+def short_count(n: int) -> str:
     """16384 -> '16k', 512 -> '512'."""
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def outcome_summary(outcome: dict) -> str:
+    """One line for the progress log: the time and metrics, or the status and its reason."""
+    if outcome["status"] != OK:
+        return f"{outcome['status'].upper()}: {outcome['reason']}"
+    metrics = "  ".join(f"{k}={v if isinstance(v, (list, str)) else format_number(v)}"
+                        for k, v in outcome["metrics"].items())
+    return f"{format_number(outcome['median_ms'])} ms  {metrics}"
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -53,6 +63,23 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 
     separator = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(headers), separator] + [line(r) for r in rows])
+
+
+class Notes:
+    """Numbered footnotes for the table cells that hold no number: one note per (name,
+    status, reason), so a failure repeated down a column is explained once."""
+
+    def __init__(self) -> None:
+        self.numbers: dict[tuple, int] = {}
+
+    def cell(self, name: str, status: str, reason: str) -> str:
+        label = "OOM" if OUT_OF_MEMORY.search(reason) else STATUS_CELL.get(status, status)
+        return f"{label} [{self.numbers.setdefault((name, status, reason), len(self.numbers) + 1)}]"
+
+    def text(self) -> str:
+        lines = [f"- [{n}] {name} {status}: {reason or '(no reason given)'}"
+                 for (name, status, reason), n in self.numbers.items()]
+        return "Notes:\n\n" + "\n".join(lines) if lines else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +122,7 @@ def speed_ratio(ours: float | None, best_peer: float | None, higher_is_better: b
 def results_tables(outcomes: list[dict], contender_names: list[str], spec: TableSpec) -> str:
     """Markdown: one table per group, a column per contender and a `tk / best peer` column,
     then numbered notes explaining every cell that is not a number."""
-    notes: dict[tuple, int] = {}  # (contender, status, reason) -> note number
-
-    def note_number(outcome: dict) -> int:
-        key = (outcome["contender"], outcome["status"], outcome.get("reason", ""))
-        return notes.setdefault(key, len(notes) + 1)
-
+    notes = Notes()
     roles = {o["contender"]: o["role"] for o in outcomes}
     names = [n for n in contender_names if n in roles] + \
         sorted(n for n in roles if n not in contender_names)
@@ -134,7 +156,7 @@ def results_tables(outcomes: list[dict], contender_names: list[str], spec: Table
                     elif o["role"] == PEER:
                         peers.append((value, name))
                 else:
-                    cells.append(f"{STATUS_CELL.get(o['status'], o['status'])} [{note_number(o)}]")
+                    cells.append(notes.cell(name, o["status"], o.get("reason", "")))
             if has_ours and has_peers:
                 pick = max if spec.higher_is_better else min
                 best_value, best_name = pick(peers) if peers else (None, "")
@@ -147,10 +169,8 @@ def results_tables(outcomes: list[dict], contender_names: list[str], spec: Table
     if has_ours and has_peers:
         sections.append("`tk / best peer` is a speed ratio of tk_jax's kernel over the fastest "
                         "other library: above 1 means tk_jax is faster.")
-    if notes:
-        lines = [f"[{n}] {name} {status}: {reason or '(no reason given)'}"
-                 for (name, status, reason), n in notes.items()]
-        sections.append("Notes:\n\n" + "\n".join(f"- {line}" for line in lines))
+    if notes.numbers:
+        sections.append(notes.text())
     return "\n\n".join(sections)
 
 
@@ -247,7 +267,7 @@ def write_plot(path: str, outcomes: list[dict], *, panel_fields: tuple[str, ...]
                 axis.plot(xs, ys, marker="o", color=colors[name], label=name)
         axis.set_xscale("log", base=2)
         ticks = sorted({o["config"][x_field] for o in in_panel})
-        axis.set_xticks(ticks, [_short_count(t) for t in ticks])
+        axis.set_xticks(ticks, [short_count(t) for t in ticks])
         axis.minorticks_off()
         if log_y:
             axis.set_yscale("log")
