@@ -380,8 +380,14 @@ def test_decode_ffi_rejects_bad_input(hopper):
 
 # ------------------------------------------------------------------ which inputs the kernel takes (CPU)
 
-def test_kernel_support_rules():
+def test_kernel_support_rules(monkeypatch):
+    """The rules, from the extension's conventions (the kernel_path fixture's stand-in where the
+    extension is not built)."""
+    from conftest import BASED_CONVENTIONS_STAND_IN
     from tk_jax import _kernels
+
+    conventions = _kernels.based_conventions() or BASED_CONVENTIONS_STAND_IN
+    monkeypatch.setattr(_kernels, "based_conventions", lambda: conventions)
 
     def why(q_shape, v_dim, dtype=jnp.bfloat16):
         q = jax.ShapeDtypeStruct(q_shape, dtype)
