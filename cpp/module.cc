@@ -1,10 +1,15 @@
 // The one Python extension module, tk_jax._tk: hands XLA the FFI handler capsules, and tells
-// Python the kernels' facts it needs to call them (supported head dims, workspace sizes).
+// Python the kernels' facts it needs to call them (supported shapes, workspace sizes, the Based
+// conventions) and the device facts it plans launches with.
+#include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "kernels/attention/attention.h"
+#include "kernels/based/based.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -19,6 +24,33 @@ namespace {
 template <typename Fn>
 nb::capsule handler_capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+// The Based kernels' conventions (cpp/kernels/based/based.h) that Python needs to shape their
+// calls: the inputs they take, the dq/dk partial sums per column block, the sequence chunk.
+nb::dict based_conventions() {
+  namespace based = tk::based;
+  nb::dict c;
+  c["feature_dim"] = based::FEATURE_DIM;
+  c["num_features"] = based::NUM_FEATURES;
+  c["chunk"] = based::CHUNK;
+  c["column_block"] = based::V_BLOCK;
+  nb::list value_dims;
+  for (int d : based::VALUE_DIMS) value_dims.append(d);
+  c["value_dims"] = nb::tuple(value_dims);
+  c["max_batch"] = based::MAX_BATCH;
+  c["max_heads"] = based::MAX_HEADS;
+  return c;
+}
+
+// Multiprocessors of CUDA device `ordinal`, from the runtime (Python sizes the Based sequence
+// split by it).
+int multiprocessor_count(int ordinal) {
+  int count = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, ordinal);
+  if (err != cudaSuccess)
+    throw std::runtime_error("multiprocessor_count(" + std::to_string(ordinal) + "): " + cudaGetErrorString(err));
+  return count;
 }
 }  // namespace
 
@@ -35,10 +67,12 @@ NB_MODULE(_tk, m) {
   });
   nb::list head_dims;
   for (int d : tk::attention::HEAD_DIMS) head_dims.append(d);
-  m.attr("attention_head_dims") = nb::steal<nb::tuple>(PySequence_Tuple(head_dims.ptr()));
+  m.attr("attention_head_dims") = nb::tuple(head_dims);
   m.def("attention_backward_workspace_bytes", &tk::attention::backward_workspace_bytes, nb::arg("batch"),
         nb::arg("heads_q"), nb::arg("seq_q"), nb::arg("head_dim"),
         "Bytes of the workspace output of tk_attention_bwd (linear in batch).");
+  m.def("based_conventions", &based_conventions);
+  m.def("multiprocessor_count", &multiprocessor_count, nb::arg("device_ordinal"));
   m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   m.attr("cuda_archs") = "sm_90a";
 }

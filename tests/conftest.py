@@ -11,6 +11,15 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import numpy as np
 import pytest
 
+# What the kernel_path fixture gives the Based route where the extension is not built: the
+# conventions of cpp/kernels/based/based.h (test_based_api.py checks them against the
+# extension's where it is) and an H100 SXM's multiprocessor count, so that the sequence split
+# decides as it would there.
+BASED_CONVENTIONS_STAND_IN = {"feature_dim": 16, "num_features": 273, "chunk": 64,
+                              "column_block": 64, "value_dims": (64, 128), "max_batch": 65535,
+                              "max_heads": 65535}
+MULTIPROCESSOR_COUNT_STAND_IN = 132
+
 
 @pytest.fixture
 def rng(request):
@@ -90,6 +99,8 @@ def kernel_path(monkeypatch):
     module.based_decode = based_decode
     module.based_decode_unsupported = lambda q_t, v_t: None
     from tk_jax import _kernels as real_kernels  # its constants (importing needs no extension)
+    module.based_conventions = lambda: real_kernels.based_conventions() or BASED_CONVENTIONS_STAND_IN
+    module.multiprocessor_count = lambda: MULTIPROCESSOR_COUNT_STAND_IN
     for name in dir(real_kernels):
         if name.isupper():
             setattr(module, name, getattr(real_kernels, name))

@@ -189,7 +189,8 @@ def test_decode_step_checks_name_the_argument():
 
 # ------------------------------------------------------------------ sequence split (kernel route)
 
-def test_sequence_split_choice():
+def test_sequence_split_choice(kernel_path):
+    """Blocks are counted per 64 value columns (the kernels' column block)."""
     from tk_jax._sequence_split import num_groups
 
     assert num_groups(16, 16, 64, 8192, 132) == 1      # 256 blocks already fill the GPU
@@ -198,6 +199,7 @@ def test_sequence_split_choice():
     assert num_groups(4, 16, 64, 65536, 132) == 1      # 64 blocks: a split of 2 cannot pay
     assert num_groups(1, 1, 64, 1000, 132) == 1        # too short for >= 4 groups of 256
     assert num_groups(1, 1, 64, 2048, 132) == 8      # groups of 256 tokens
+    assert num_groups(2, 3, 64, 777, 132) == 1       # 6 blocks, but too short for 4 groups
 
 
 @pytest.mark.parametrize("normalize", [True, False])
@@ -228,3 +230,31 @@ def test_sequence_split_matches_reference(kernel_path, monkeypatch, normalize):
     for name, a, b in zip(["y", "S", "z", "dq", "dk", "dv", "dS0", "dz0"],
                           list(outs) + jax.tree.leaves(grads), list(outs_ref) + jax.tree.leaves(grads_ref)):
         assert rel_l2(a, b) < 1e-5, f"{name} (seed {seed}): {rel_l2(a, b)}"
+
+
+# ------------------------------------------------------------------ the kernels' conventions
+
+def test_kernel_path_stand_ins_match_the_extension():
+    """The conventions the kernel_path fixture gives an unbuilt machine are the extension's
+    (cpp/kernels/based/based.h), wherever the extension is built."""
+    from conftest import BASED_CONVENTIONS_STAND_IN
+    from tk_jax import _kernels
+
+    conventions = _kernels.based_conventions()
+    if conventions is None:
+        pytest.skip("tk_jax._tk is not built: no conventions to compare the stand-in with")
+    assert dict(conventions) == BASED_CONVENTIONS_STAND_IN
+
+
+def test_without_the_extension_the_kernel_is_unsupported_not_an_error(monkeypatch):
+    """Where tk_jax._tk is not built the support checks give a reason (and "auto" runs the
+    reference); they never raise."""
+    from tk_jax import _kernels
+
+    monkeypatch.setattr(_kernels, "based_conventions", lambda: None)
+    q = jnp.zeros((1, 8, 2, D), jnp.bfloat16)
+    v = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    assert "not built" in _kernels.based_kernel_unsupported(q, q, v)
+    assert "not built" in _kernels.based_decode_unsupported(q[:, 0], v[:, 0])
+    y = based_linear_attention(q, q, v)
+    assert y.shape == v.shape and bool(jnp.isfinite(y.astype(jnp.float32)).all())

@@ -378,10 +378,176 @@ def test_decode_ffi_rejects_bad_input(hopper):
         y.block_until_ready()
 
 
+# ------------------------------------------------------------------ the final state under many seeds
+# Seen once in an acceptance run on an H100: based_linear_attention(..., normalize=False,
+# return_state=True) in fp16 (B=2, H=3, T=777, Dv=64) returned a z with an inf; a rerun with
+# another seed was clean. B * H = 6 blocks at T = 777 does not take the sequence split (too short
+# for 4 groups of 256 tokens), so z came from one forward launch. These runs repeat that case and
+# its neighbours under fresh seeds; scripts/based_state_check.py runs the same check many more
+# times and under compute-sanitizer.
+
+def fast_naive(q, k, v, s0, z0, *, normalize, eps):
+    """float64 (y, S, z, den) with BLAS matmuls (the quadratic form of naive_based, fast enough
+    for many seeds); s0/z0 may be None. den is the normaliser without eps, [B, H, T]."""
+    # [B, H, T, X], contiguous: numpy's batched matmul only calls BLAS on contiguous operands.
+    q, k, v = (np.ascontiguousarray(np.asarray(x, np.float64).transpose(0, 2, 1, 3)) for x in (q, k, v))
+    s = q @ np.ascontiguousarray(k.swapaxes(-1, -2)) / 4.0
+    weights = np.tril(1 + s + s * s / 2)
+    num, den = weights @ v, weights.sum(-1)
+    phi_k = naive_feature_map(k)
+    state, z = np.ascontiguousarray(phi_k.swapaxes(-1, -2)) @ v, phi_k.sum(-2)
+    if s0 is not None:
+        phi_q = naive_feature_map(q)
+        num, den = num + phi_q @ s0, den + (phi_q @ z0[..., None])[..., 0]
+        state, z = state + s0, z + z0
+    y = num / (den[..., None] + eps) if normalize else num
+    return y.transpose(0, 2, 1, 3), state, z, den
+
+
+def state_problems(label, got, want):
+    """What is wrong with the outputs `got` against `want` (dicts y, S, z and maybe den), as
+    sentences: a non-finite entry anywhere, or an error over the tolerances of check_outputs."""
+    problems = []
+    for name, x in got.items():
+        bad = ~np.isfinite(x)
+        if bad.any():
+            where = np.argwhere(bad)[:3].tolist()
+            problems.append(f"{label}: {name} has {int(bad.sum())} non-finite entries, first at {where}")
+    if problems:
+        return problems
+    # z is summed exactly in fp32 from the keys; den sums 16-bit rounded weights and phi(q) . z
+    # from q in bf16.
+    tolerances = {"y": 1e-2, "S": 1e-2, "z": 1e-4, "den": 1e-2}
+    for name, x in got.items():
+        err = rel_l2(x, want[name])
+        if err >= tolerances[name]:
+            problems.append(f"{label}: {name} rel. error {err:.2e}")
+    if "y" in got:
+        y, y_ref = got["y"], want["y"]
+        row_err = np.linalg.norm(y - y_ref, axis=-1) / np.maximum(np.linalg.norm(y_ref, axis=-1), 1e-6)
+        if row_err.max() >= 3e-2:
+            worst = np.unravel_index(np.argmax(row_err), row_err.shape)
+            problems.append(f"{label}: y row (b, t, h) {worst} rel. error {row_err.max():.2e}")
+    return problems
+
+
+STATE_SEEDS = 3  # per case below (the whole section takes ~20 s on an H100); the script runs more
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_forward_kernel_state_is_finite_under_many_seeds(hopper, dtype, normalize):
+    """The forward kernel alone around T = 777 (B=2, H=3, Dv=64), outputs poisoned before each
+    launch, with and without an initial state: y, S, z and den finite and right, every seed."""
+    from tk_jax import _kernels
+
+    b, h, dv = 2, 3, 64
+    problems = []
+    for t in (776, 777, 778, 833):
+        fn = jax.jit(lambda *xs: _kernels.based_fwd(*xs, normalize=normalize, eps=1e-6))
+        for with_state in (False, True):
+            for _ in range(STATE_SEEDS):
+                seed = int(np.random.SeedSequence().entropy % 2**32)
+                rng = np.random.default_rng(seed)
+                q, k, v = random_inputs(rng, b, t, h, dv, dtype)
+                if with_state:
+                    s0, z0 = random_state(rng, b, h, dv)
+                else:
+                    s0, z0 = np.zeros((b, h, F, dv), np.float32), np.zeros((b, h, F), np.float32)
+                poison_device_memory(4 * (v.nbytes + s0.nbytes + z0.nbytes))
+                y, state, z, den = fn(*(jnp.asarray(x) for x in (q, k, v, s0, z0)))
+                y_ref, s_ref, z_ref, den_ref = fast_naive(_as64(q), _as64(k), _as64(v), s0 if with_state else None,
+                                                          z0 if with_state else None, normalize=normalize, eps=1e-6)
+                label = f"T={t} state={with_state} seed={seed}"
+                problems += state_problems(label, {"y": _as64(y), "S": _as64(state), "z": _as64(z), "den": _as64(den)},
+                                           {"y": y_ref, "S": s_ref, "z": z_ref, "den": den_ref})
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["unsplit", "split"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_public_api_state_is_finite_under_many_seeds(hopper, monkeypatch, split, dtype):
+    """based_linear_attention on the kernel backend at B=2, H=3, T=777, Dv=64 (the case seen
+    once with an inf in z), normalised or not, with return_state (with and without an initial
+    state) and without it; "split" forces the sequence split into 4 groups (777 tokens padded
+    to 1024, the pad taken off z's constant feature). The seen case gets the most seeds."""
+    from tk_jax import _sequence_split
+
+    if split == "split":
+        monkeypatch.setattr(_sequence_split, "num_groups", lambda *args: 4)
+    b, t, h, dv = 2, 777, 3, 64
+    problems = []
+    for normalize in (False, True):
+        for return_state in (True, False):
+            run = jax.jit(lambda q, k, v, state, n=normalize, r=return_state: tk_jax.based_linear_attention(
+                q, k, v, normalize=n, initial_state=state, return_state=r, backend="kernel"))
+            for with_state in (False, True) if return_state else (False,):
+                seen_case = dtype == jnp.float16 and not normalize and return_state and not with_state
+                for _ in range(6 * STATE_SEEDS if seen_case else STATE_SEEDS):
+                    seed = int(np.random.SeedSequence().entropy % 2**32)
+                    rng = np.random.default_rng(seed)
+                    q, k, v = random_inputs(rng, b, t, h, dv, dtype)
+                    state0 = random_state(rng, b, h, dv) if with_state else None
+                    poison_device_memory(8 * v.nbytes + 4 * b * h * F * (dv + 1))
+                    out = run(*(jnp.asarray(x) for x in (q, k, v)),
+                              None if state0 is None else tuple(map(jnp.asarray, state0)))
+                    y_ref, s_ref, z_ref, _ = fast_naive(_as64(q), _as64(k), _as64(v),
+                                                        *(state0 if with_state else (None, None)),
+                                                        normalize=normalize, eps=1e-6)
+                    got = {"y": _as64(out[0] if return_state else out)}
+                    if return_state:
+                        got["S"], got["z"] = _as64(out[1].S), _as64(out[1].z)
+                    label = (f"{split} normalize={normalize} return_state={return_state} state={with_state} "
+                             f"seed={seed}")
+                    problems += state_problems(label, got, {"y": y_ref, "S": s_ref, "z": z_ref})
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.gpu
+def test_public_api_natural_split_state_is_finite(hopper, rng):
+    """One (batch, head) of 2100 tokens takes the split by itself (8 groups on an H100's SMs,
+    counted by the extension): y, S, z finite and right."""
+    from tk_jax import _kernels, _sequence_split
+
+    b, t, h, dv = 1, 2100, 1, 64
+    assert _sequence_split.num_groups(b, h, dv, t, _kernels.multiprocessor_count()) > 1
+    run = jax.jit(lambda q, k, v: tk_jax.based_linear_attention(q, k, v, normalize=False, return_state=True,
+                                                                backend="kernel"))
+    problems = []
+    for i in range(STATE_SEEDS):
+        q, k, v = random_inputs(rng, b, t, h, dv, jnp.float16)
+        poison_device_memory(8 * v.nbytes + 4 * F * (dv + 1))
+        y, (state, z) = run(*(jnp.asarray(x) for x in (q, k, v)))
+        y_ref, s_ref, z_ref, _ = fast_naive(_as64(q), _as64(k), _as64(v), None, None, normalize=False, eps=1e-6)
+        problems += state_problems(f"draw {i}", {"y": _as64(y), "S": _as64(state), "z": _as64(z)},
+                                   {"y": y_ref, "S": s_ref, "z": z_ref})
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.gpu
+def test_multiprocessor_count_is_the_devices(hopper):
+    """The extension's count (cudaDeviceGetAttribute) agrees with what jax reports, where it does."""
+    from tk_jax import _kernels
+
+    count = _kernels.multiprocessor_count()
+    assert count > 0
+    jax_count = getattr(jax.local_devices()[0], "core_count", None)
+    if jax_count:
+        assert count == jax_count
+
+
 # ------------------------------------------------------------------ which inputs the kernel takes (CPU)
 
-def test_kernel_support_rules():
+def test_kernel_support_rules(monkeypatch):
+    """The rules, from the extension's conventions (the kernel_path fixture's stand-in where the
+    extension is not built)."""
+    from conftest import BASED_CONVENTIONS_STAND_IN
     from tk_jax import _kernels
+
+    conventions = _kernels.based_conventions() or BASED_CONVENTIONS_STAND_IN
+    monkeypatch.setattr(_kernels, "based_conventions", lambda: conventions)
 
     def why(q_shape, v_dim, dtype=jnp.bfloat16):
         q = jax.ShapeDtypeStruct(q_shape, dtype)

@@ -2,7 +2,9 @@
 and in the kernels' layout ([batch, seq, heads, dim], contiguous); these only build the call."""
 from __future__ import annotations
 
+import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -68,27 +70,42 @@ def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: 
     return dq, dk, dv
 
 
-BASED_FEATURE_DIM = 16       # q/k features of Based (cpp: tk::based::FEATURE_DIM)
-BASED_NUM_FEATURES = 273     # 1 + 16 + 16*16 Taylor features (cpp: tk::based::NUM_FEATURES)
-BASED_CHUNK = 64             # tokens per step of the kernels' walk (cpp: CHUNK)
-BASED_COLUMN_BLOCK = 64      # value columns per thread block (cpp: V_BLOCK, BWD_COLS)
-BASED_VALUE_DIMS = (64, 128)
-_GRID_LIMIT = 65535          # batch and heads are grid dimensions of the Based kernel
+@functools.lru_cache(maxsize=None)
+def based_conventions() -> types.MappingProxyType | None:
+    """The Based kernels' conventions as cpp/kernels/based/based.h defines them, read from the
+    extension (None where it is not built): feature_dim, num_features, chunk (tokens per step
+    of the kernels' sweep), column_block (value columns per thread block; dq and dk come in
+    partial sums per block), value_dims, max_batch, max_heads."""
+    if _tk is None:
+        return None
+    return types.MappingProxyType(dict(_tk.based_conventions()))
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count() -> int:
+    """SMs of the first local device, which the kernels run on, from the CUDA runtime
+    (cudaDeviceGetAttribute in the extension)."""
+    return int(_tk.multiprocessor_count(jax.local_devices()[0].local_hardware_id))
 
 
 def based_kernel_unsupported(q, k, v) -> str | None:
     """None when the Based forward kernel handles these rank-4 inputs, else why not."""
+    c = based_conventions()
+    if c is None:
+        return f"the kernel extension tk_jax._tk cannot be imported: {_TK_IMPORT_ERROR}"
     if q.dtype not in [jnp.dtype(d) for d in KERNEL_DTYPES]:
         return f"the Based kernel takes bf16 or fp16 inputs, got {q.dtype}"
-    if q.shape[-1] != BASED_FEATURE_DIM or k.shape[-1] != BASED_FEATURE_DIM:
-        return f"the Based kernel needs feature dim {BASED_FEATURE_DIM}, got {q.shape[-1]}"
-    if v.shape[-1] not in BASED_VALUE_DIMS:
-        return f"the Based kernel supports value dim (v's last axis) in {BASED_VALUE_DIMS}, got {v.shape[-1]}"
+    if q.shape[-1] != c["feature_dim"] or k.shape[-1] != c["feature_dim"]:
+        return f"the Based kernel needs feature dim {c['feature_dim']}, got {q.shape[-1]}"
+    if v.shape[-1] not in c["value_dims"]:
+        return (f"the Based kernel supports value dim (v's last axis) in {c['value_dims']}, "
+                f"got {v.shape[-1]}")
     batch, seq_len, heads = q.shape[0], q.shape[1], q.shape[2]
     if seq_len < 1:
         return "the Based kernel needs at least one token"
-    if batch > _GRID_LIMIT or heads > _GRID_LIMIT:
-        return f"the Based kernel supports batch and heads up to {_GRID_LIMIT}, got {batch} and {heads}"
+    if batch > c["max_batch"] or heads > c["max_heads"]:
+        return (f"the Based kernel supports batch up to {c['max_batch']} and heads up to "
+                f"{c['max_heads']}, got {batch} and {heads}")
     return None
 
 
@@ -113,8 +130,6 @@ def based_fwd(q, k, v, s0, z0, *, normalize: bool, eps: float):
                 normalize=np.int64(1 if normalize else 0), eps=np.float32(eps))
 
 
-
-
 def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize: bool, eps: float,
               with_dq: bool = True):
     """(dq, dk, dv, dS0, dz0) from the Based backward kernel (dq = 0 when not `with_dq`: the
@@ -124,7 +139,8 @@ def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize: bool, eps
     d_state, d_z of the final state. The kernel wants dnum = dy / (den + eps) and the
     normaliser's cotangent dden = -(dy . y) / (den + eps) per row, prepared here in one fused
     XLA pass ([B, H, T] each; 1 and 0 without normalisation). It returns dq and dk as float32
-    partial sums per 64-column block of v, added up here.
+    partial sums per column block of v (the blocks run in parallel), added up here: the sum and
+    the cast to q's dtype are one fused pass, which XLA may fuse further into the consumer.
     """
     if normalize:
         inv_den = 1.0 / (den + eps)
@@ -134,8 +150,9 @@ def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize: bool, eps
         inv_den = jnp.ones_like(den)
         dden = jnp.zeros_like(den)
     *lead, seq_len, heads, value_dim = v.shape
+    c = based_conventions()
     parts = jax.ShapeDtypeStruct(
-        (*lead, seq_len, heads, value_dim // BASED_COLUMN_BLOCK, BASED_FEATURE_DIM), jnp.float32)
+        (*lead, seq_len, heads, value_dim // c["column_block"], c["feature_dim"]), jnp.float32)
     out_types = (parts, parts, jax.ShapeDtypeStruct(v.shape, v.dtype),
                  jax.ShapeDtypeStruct(s0.shape, jnp.float32), jax.ShapeDtypeStruct(z0.shape, jnp.float32))
     call = jax.ffi.ffi_call("tk_based_bwd", out_types, vmap_method="broadcast_all")
@@ -147,13 +164,16 @@ def based_bwd(q, k, v, y, den, dy, s0, z0, d_state, d_z, *, normalize: bool, eps
 
 def based_decode_unsupported(q_t, v_t) -> str | None:
     """None when the decode-step kernel handles q_t [..., 16] / v_t [..., Dv], else why not."""
+    c = based_conventions()
+    if c is None:
+        return f"the kernel extension tk_jax._tk cannot be imported: {_TK_IMPORT_ERROR}"
     if q_t.dtype not in [jnp.dtype(d) for d in KERNEL_DTYPES]:
         return f"the Based decode kernel takes bf16 or fp16 inputs, got {q_t.dtype}"
-    if q_t.shape[-1] != BASED_FEATURE_DIM:
-        return f"the Based decode kernel needs feature dim {BASED_FEATURE_DIM}, got {q_t.shape[-1]}"
-    if v_t.shape[-1] not in BASED_VALUE_DIMS:
+    if q_t.shape[-1] != c["feature_dim"]:
+        return f"the Based decode kernel needs feature dim {c['feature_dim']}, got {q_t.shape[-1]}"
+    if v_t.shape[-1] not in c["value_dims"]:
         return (f"the Based decode kernel supports value dim (v_t's last axis) in "
-                f"{BASED_VALUE_DIMS}, got {v_t.shape[-1]}")
+                f"{c['value_dims']}, got {v_t.shape[-1]}")
     if math.prod(q_t.shape[:-1]) < 1:
         return "the Based decode kernel needs at least one (batch, head) row"
     return None

@@ -17,27 +17,32 @@ blocks. Each group must then start from the state of everything before it:
 Each pass costs about one unsplit call, so a split pays when it multiplies the blocks by 4 or
 more. The sequence is padded with zero tokens to G * L: they add nothing to S (v = 0) or to
 the backward (dy = 0), but 1 each to the constant feature of z, which is taken off again.
+
+The kernels' column block and chunk come from the extension (tk_jax._kernels.based_conventions,
+defined in cpp/kernels/based/based.h), looked up through the package at call time so that the
+tests' kernel_path fixture can stand in for the kernels on a CPU.
 """
 from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tk_jax._kernels import BASED_CHUNK as CHUNK
-from tk_jax._kernels import BASED_COLUMN_BLOCK as COLUMN_BLOCK
-from tk_jax._kernels import BASED_NUM_FEATURES as NUM_FEATURES
+import tk_jax._kernels
 
 MIN_GROUP_TOKENS = 256    # shorter groups spend more on the extra pass than they gain
 MIN_GROUPS = 4            # two passes: fewer groups than this cannot pay off
 
 
+def _conventions():
+    return tk_jax._kernels.based_conventions()
+
+
 def num_groups(batch: int, heads: int, value_dim: int, seq_len: int, num_sms: int) -> int:
     """How many groups to cut the sequence into (1: no split): the largest power of two that
     keeps all blocks in one wave on `num_sms` multiprocessors and groups >= 256 tokens."""
-    blocks = batch * heads * max(1, value_dim // COLUMN_BLOCK)
+    blocks = batch * heads * max(1, value_dim // _conventions()["column_block"])
     groups = 1
     while blocks * groups * 2 <= num_sms and seq_len >= 2 * groups * MIN_GROUP_TOKENS:
         groups *= 2
@@ -45,12 +50,14 @@ def num_groups(batch: int, heads: int, value_dim: int, seq_len: int, num_sms: in
 
 
 def multiprocessor_count() -> int:
-    """SMs of the default device (132 on an H100 SXM when the runtime does not say)."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    """SMs of the device the kernels run on (from the CUDA runtime, through the extension)."""
+    return tk_jax._kernels.multiprocessor_count()
 
 
 def _padded_length(seq_len: int, groups: int) -> int:
-    return math.ceil(seq_len / (groups * CHUNK)) * groups * CHUNK
+    """G groups of whole chunks."""
+    chunk = _conventions()["chunk"]
+    return math.ceil(seq_len / (groups * chunk)) * groups * chunk
 
 
 def _to_groups(x, groups: int, padded_len: int):
@@ -112,7 +119,7 @@ def forward(kernel, q, k, v, s0, z0, groups: int, *, normalize: bool, eps: float
     start_s, start_z = _plus_prefix(s0, sum_s, batch), _plus_prefix(z0, sum_z, batch)
     y, end_s, end_z, den = kernel(gq, gk, gv, start_s, start_z, normalize=normalize, eps=eps)
     # The padded tokens counted 1 each in the constant feature (index 0) of z.
-    constant_feature = (jnp.arange(NUM_FEATURES) == 0).astype(jnp.float32)
+    constant_feature = (jnp.arange(z0.shape[-1]) == 0).astype(jnp.float32)
     z = _per_group(end_z, batch)[:, -1] - (padded - seq_len) * constant_feature
     return (_from_groups(y, batch, seq_len), (_per_group(end_s, batch)[:, -1], z),
             _stats_from_groups(den, batch, seq_len), (start_s, start_z))

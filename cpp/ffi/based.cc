@@ -117,7 +117,7 @@ ffi::Error BasedBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   if (vd.size() != r || !has_shape(vd, qd, lead, {seq, heads, vd[r - 1]}))
     return invalid_bwd("v must be [..., T, H, Dv] with q's [..., T, H], got " + shape_str(v));
   const int64_t value_dim = vd[r - 1];
-  if (value_dim != 64 && value_dim != 128) return invalid_bwd("v's last axis must be 64 or 128");
+  if (!tk::based::is_value_dim(value_dim)) return invalid_bwd(tk::based::VALUE_DIM_SENTENCE);
   const auto dtype = q.element_type();
   if (dtype != ffi::BF16 && dtype != ffi::F16) return invalid_bwd("q must be bf16 or fp16");
   if (k.element_type() != dtype || v.element_type() != dtype || dy.element_type() != dtype ||
@@ -133,7 +133,7 @@ ffi::Error BasedBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
       return invalid_bwd("S0, dS and dS0 must be [..., H, 273, Dv]");
   for (auto dims : {z0.dimensions(), d_z.dimensions(), d_z0->dimensions()})
     if (!has_shape(dims, qd, lead, {heads, NUM_FEATURES})) return invalid_bwd("z0, dz and dz0 must be [..., H, 273]");
-  const int64_t column_blocks = value_dim / 64;
+  const int64_t column_blocks = value_dim / tk::based::V_BLOCK;
   if (!has_shape(dq_parts->dimensions(), qd, lead, {seq, heads, column_blocks, FEATURE_DIM}) ||
       !has_shape(dk_parts->dimensions(), qd, lead, {seq, heads, column_blocks, FEATURE_DIM}))
     return invalid_bwd("dq_parts and dk_parts must be [..., T, H, Dv / 64, 16]");

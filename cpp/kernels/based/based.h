@@ -15,10 +15,27 @@ namespace tk::based {
 
 enum class DType { bf16, fp16 };
 
+// The kernels' conventions, defined here only: the launchers check against them, and the
+// extension hands them to Python (tk_jax._tk.based_conventions(), cpp/module.cc).
 constexpr int FEATURE_DIM = 16;   // q and k have 16 features in Based
 constexpr int NUM_FEATURES = 273; // 1 + 16 + 16 * 16 Taylor features
 constexpr int CHUNK = 64;         // tokens per step of the kernels' sweep over the sequence
 constexpr int V_BLOCK = 64;       // value columns per thread block (dq/dk come in partial sums per block)
+constexpr int VALUE_DIMS[] = {V_BLOCK, 2 * V_BLOCK};  // v's last axis: one or two column blocks
+constexpr int MAX_BATCH = 65535;  // batch and heads are grid dimensions z and y of the sequence kernels
+constexpr int MAX_HEADS = 65535;
+
+constexpr bool is_value_dim(int64_t value_dim) {
+  for (int d : VALUE_DIMS)
+    if (value_dim == d) return true;
+  return false;
+}
+
+// What the launchers' *_unsupported() say when a call breaks the two limits above.
+static_assert(VALUE_DIMS[0] == 64 && VALUE_DIMS[1] == 128 && MAX_BATCH == 65535 && MAX_HEADS == 65535,
+              "the sentences below name these numbers");
+constexpr const char* VALUE_DIM_SENTENCE = "value_dim (v's last axis) must be 64 or 128";
+constexpr const char* GRID_SENTENCE = "batch and heads must be <= 65535 (grid limits)";
 
 struct ForwardParams {
   const void* q;        // [batch, seq, heads, 16]

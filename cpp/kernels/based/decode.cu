@@ -10,7 +10,7 @@ const char* decode_unsupported(const DecodeParams& p) {
   if (!p.q || !p.k || !p.v || !p.state || !p.z || !p.y || !p.state_out || !p.z_out) return "a buffer pointer is null";
   if (p.rows < 1) return "there must be at least one (batch, head) row";
   if (p.rows > 0x7fffffff) return "too many (batch, head) rows for one grid";
-  if (p.value_dim != 64 && p.value_dim != 128) return "value_dim (v's last axis) must be 64 or 128";
+  if (!is_value_dim(p.value_dim)) return VALUE_DIM_SENTENCE;
   if (!(std::isfinite(p.eps) && p.eps >= 0.f)) return "eps must be finite and >= 0";
   return nullptr;
 }

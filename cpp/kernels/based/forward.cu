@@ -9,8 +9,8 @@ namespace tk::based {
 const char* forward_unsupported(const ForwardParams& p) {
   if (!p.q || !p.k || !p.v || !p.state0 || !p.z0 || !p.y || !p.state || !p.z || !p.den) return "a buffer pointer is null";
   if (p.batch < 1 || p.seq < 1 || p.heads < 1) return "batch, sequence length and heads must be >= 1";
-  if (p.value_dim != 64 && p.value_dim != 128) return "value_dim (v's last axis) must be 64 or 128";
-  if (p.batch > 65535 || p.heads > 65535) return "batch and heads must be <= 65535 (grid limits)";
+  if (!is_value_dim(p.value_dim)) return VALUE_DIM_SENTENCE;
+  if (p.batch > MAX_BATCH || p.heads > MAX_HEADS) return GRID_SENTENCE;
   if (!(std::isfinite(p.eps) && p.eps >= 0.f)) return "eps must be finite and >= 0";
   return nullptr;
 }
