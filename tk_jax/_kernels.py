@@ -92,7 +92,7 @@ def based_kernel_unsupported(q, k, v) -> str | None:
     """None when the Based forward kernel handles these rank-4 inputs, else why not."""
     c = based_conventions()
     if c is None:
-        return f"the kernel extension tk_jax._tk cannot be imported: {_TK_IMPORT_ERROR}"
+        return "the Based kernels are not built (no tk_jax._tk)"
     if q.dtype not in [jnp.dtype(d) for d in KERNEL_DTYPES]:
         return f"the Based kernel takes bf16 or fp16 inputs, got {q.dtype}"
     if q.shape[-1] != c["feature_dim"] or k.shape[-1] != c["feature_dim"]:
@@ -166,7 +166,7 @@ def based_decode_unsupported(q_t, v_t) -> str | None:
     """None when the decode-step kernel handles q_t [..., 16] / v_t [..., Dv], else why not."""
     c = based_conventions()
     if c is None:
-        return f"the kernel extension tk_jax._tk cannot be imported: {_TK_IMPORT_ERROR}"
+        return "the Based kernels are not built (no tk_jax._tk)"
     if q_t.dtype not in [jnp.dtype(d) for d in KERNEL_DTYPES]:
         return f"the Based decode kernel takes bf16 or fp16 inputs, got {q_t.dtype}"
     if q_t.shape[-1] != c["feature_dim"]:
