@@ -43,20 +43,41 @@ def hopper():
 
 
 @pytest.fixture
-def kernel_path(monkeypatch):
+def install_kernels(monkeypatch):
+    """install(fake): pretend the kernels run on this machine, with the module `fake` standing
+    in for the kernel wrappers tk_jax._kernels (for this test only). Every tk_jax module that
+    imported the real wrappers gets the fake in their place."""
+    import sys
+
+    import tk_jax
+    import tk_jax._backend
+    import tk_jax._kernels
+
+    real = tk_jax._kernels
+
+    def install(fake):
+        monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
+        monkeypatch.setitem(sys.modules, "tk_jax._kernels", fake)
+        for name, module in list(sys.modules.items()):
+            if name.partition(".")[0] == "tk_jax" and getattr(module, "_kernels", None) is real:
+                monkeypatch.setattr(module, "_kernels", fake)
+
+    return install
+
+
+@pytest.fixture
+def kernel_path(monkeypatch, install_kernels):
     """Pretend the kernels are available on this (CPU) machine: tk_jax._kernels is swapped for
     functions that run the reference, so the public functions take exactly the route they take
     on a GPU (partitioning rules, sequence split, custom_vjp wiring) and only the innermost
     function differs. Returns the backend name to pass ("kernel")."""
-    import sys
     import types
 
     import jax
     import jax.numpy as jnp
 
-    import tk_jax
-    import tk_jax._backend
-    from tk_jax import sharding
+    from tk_jax import _kernels as real_kernels
+    from tk_jax import _partitioning
     from tk_jax.reference.attention import attention_backward, attention_forward
     from tk_jax.reference.based import based_decode_step_reference, based_forward
 
@@ -98,14 +119,11 @@ def kernel_path(monkeypatch):
     module.based_kernel_unsupported = lambda q, k, v: None
     module.based_decode = based_decode
     module.based_decode_unsupported = lambda q_t, v_t: None
-    from tk_jax import _kernels as real_kernels  # its constants (importing needs no extension)
     module.based_conventions = lambda: real_kernels.based_conventions() or BASED_CONVENTIONS_STAND_IN
     module.multiprocessor_count = lambda: MULTIPROCESSOR_COUNT_STAND_IN
-    for name in dir(real_kernels):
+    for name in dir(real_kernels):  # its constants (importing it needs no extension)
         if name.isupper():
             setattr(module, name, getattr(real_kernels, name))
-    monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
-    monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)
-    monkeypatch.setattr(tk_jax, "_kernels", module, raising=False)
-    monkeypatch.setattr(sharding, "_warned", set())  # one-time warnings start afresh
+    install_kernels(module)
+    monkeypatch.setattr(_partitioning, "_warned", set())  # one-time warnings start afresh
     return "kernel"

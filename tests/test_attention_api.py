@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import types
 
 import jax
@@ -16,8 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import tk_jax
-import tk_jax._backend
 from tk_jax._backend import kernel_unavailable_reason
 from tk_jax.attention import flash_attention
 from tk_jax.reference.attention import attention_backward, attention_forward
@@ -301,7 +298,7 @@ def test_kernel_backend_unavailable_on_cpu():
         jax.jit(functools.partial(flash_attention, backend="kernel"))(q, k, v)
 
 
-def test_auto_dispatches_to_kernel_when_available(monkeypatch):
+def test_auto_dispatches_to_kernel_when_available(install_kernels):
     """With the kernels (pretend) available, "auto" calls tk_jax._kernels.attention_fwd and
     attention_bwd with rank-4 inputs and the resolved scale and window."""
     calls = []
@@ -321,9 +318,7 @@ def test_auto_dispatches_to_kernel_when_available(monkeypatch):
     module.attention_fwd = attention_fwd
     module.attention_bwd = attention_bwd
     module.attention_kernel_unsupported = lambda q, k, v: None
-    monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
-    monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)
-    monkeypatch.setattr(tk_jax, "_kernels", module, raising=False)
+    install_kernels(module)
 
     rng, seed = fresh_rng()
     q, k, v = random_qkv(rng, batch=(2, 3), tq=5, tk=7)

@@ -4,7 +4,8 @@ pmap and ring attention, each against unsharded flash_attention (forward and gra
 The CUDA kernels cannot run here, so "kernel path" tests use the kernel_path fixture
 (tests/conftest.py), which swaps tk_jax._kernels for functions that run the reference:
 flash_attention then takes exactly the route it takes on a GPU (the partitioning rule of
-tk_jax/sharding.py around the kernel calls), only the innermost function differs. HLO checks read the compiled program's text for collectives.
+tk_jax/_partitioning.py around the kernel calls), only the innermost function differs. HLO
+checks read the compiled program's text for collectives.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import tk_jax
 import tk_jax._backend
-from tk_jax import sharding
 
 try:  # tests/ as a package, or tests/ on sys.path
     from tests.naive import relative_l2
@@ -182,7 +182,7 @@ def test_flash_attention_inside_shard_map(request, rng, path):
     attend = functools.partial(tk_jax.flash_attention, causal=True, backend=backend)
     expected = expected_result(attend, q, k, v, do)
     spec = P("data", None, "model")
-    local = sharding.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    local = jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
     assert_all_close(jax.jit(output_and_grads(local))(q, k, v, do), expected)
 
 
@@ -205,8 +205,8 @@ def test_kernel_calls_inside_shard_map_are_typed_per_device(monkeypatch):
     mesh = mesh_of((8,), ("x",))
     q = jnp.zeros((8, 64, 2, 64), jnp.bfloat16)
     attend = functools.partial(tk_jax.flash_attention, causal=True, backend="kernel")
-    local = sharding.shard_map(lambda q: attend(q, q, q), mesh=mesh, in_specs=P("x"),
-                               out_specs=P("x"))
+    local = jax.shard_map(lambda q: attend(q, q, q), mesh=mesh, in_specs=P("x"),
+                          out_specs=P("x"))
     grad = jax.grad(lambda q: jnp.sum(local(q).astype(jnp.float32)))
     jaxpr = str(jax.make_jaxpr(grad)(q))
     assert "ffi_call" in jaxpr
@@ -222,7 +222,7 @@ def ring(mesh, axis, *, causal, load_balanced, backend="reference"):
     attend = functools.partial(tk_jax.ring_attention, axis_name=axis, causal=causal,
                                load_balanced=load_balanced, backend=backend)
     spec = P(None, axis)
-    return sharding.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
 
 def run_in_layout(run, load_balanced, num_devices, *arrays):
@@ -230,9 +230,9 @@ def run_in_layout(run, load_balanced, num_devices, *arrays):
     would, outside the jitted step), with every output put back into the natural order."""
     if not load_balanced:
         return run(*arrays)
-    to_layout = functools.partial(sharding.to_load_balanced, num_shards=num_devices)
+    to_layout = functools.partial(tk_jax.to_load_balanced, num_shards=num_devices)
     result = run(*map(to_layout, arrays))
-    back = functools.partial(sharding.from_load_balanced, num_shards=num_devices)
+    back = functools.partial(tk_jax.from_load_balanced, num_shards=num_devices)
     return jax.tree.map(back, result)
 
 
@@ -273,11 +273,11 @@ def test_ring_attention_inside_pmap(rng):
                                q, k, v, do)
 
     def split(x):  # [1, 16, H, D] -> [4 devices, 1, 4, H, D], load-balanced
-        x = sharding.to_load_balanced(x, 4)
+        x = tk_jax.to_load_balanced(x, 4)
         return jnp.moveaxis(x.reshape(1, 4, 4, *x.shape[2:]), 1, 0)
 
     def join(x):
-        return sharding.from_load_balanced(jnp.moveaxis(x, 0, 1).reshape(1, 16, *x.shape[3:]), 4)
+        return tk_jax.from_load_balanced(jnp.moveaxis(x, 0, 1).reshape(1, 16, *x.shape[3:]), 4)
 
     attend = functools.partial(tk_jax.ring_attention, axis_name="i", causal=True,
                                backend="reference")
@@ -288,17 +288,17 @@ def test_ring_attention_inside_pmap(rng):
 def test_load_balanced_layout():
     n = 4
     x = jnp.arange(2 * n * 3)[None, :, None, None]  # 3 positions per chunk
-    balanced = sharding.to_load_balanced(x, n)
+    balanced = tk_jax.to_load_balanced(x, n)
     per_device = np.asarray(balanced).reshape(n, 2, 3)
     for i in range(n):  # device i holds chunks i and 2n-1-i
         np.testing.assert_array_equal(per_device[i, 0], np.arange(3) + 3 * i)
         np.testing.assert_array_equal(per_device[i, 1], np.arange(3) + 3 * (2 * n - 1 - i))
-    np.testing.assert_array_equal(sharding.from_load_balanced(balanced, n), x)
+    np.testing.assert_array_equal(tk_jax.from_load_balanced(balanced, n), x)
     y = jnp.arange(40).reshape(5, 8)
     np.testing.assert_array_equal(
-        sharding.from_load_balanced(sharding.to_load_balanced(y, 2, axis=1), 2, axis=1), y)
+        tk_jax.from_load_balanced(tk_jax.to_load_balanced(y, 2, axis=1), 2, axis=1), y)
     with pytest.raises(ValueError, match="multiple"):
-        sharding.to_load_balanced(jnp.zeros((1, 10, 1, 1)), 4)
+        tk_jax.to_load_balanced(jnp.zeros((1, 10, 1, 1)), 4)
 
 
 def test_ring_attention_errors():
@@ -309,8 +309,8 @@ def test_ring_attention_errors():
 
     def call(q, k, **kwargs):  # traced only: the checks run while tracing
         f = functools.partial(tk_jax.ring_attention, axis_name="seq", **kwargs)
-        return jax.eval_shape(sharding.shard_map(f, mesh=mesh, in_specs=P(None, "seq"),
-                                                 out_specs=P(None, "seq")), q, k, k)
+        return jax.eval_shape(jax.shard_map(f, mesh=mesh, in_specs=P(None, "seq"),
+                                            out_specs=P(None, "seq")), q, k, k)
 
     with pytest.raises(ValueError, match="^ring_attention: .*must be even"):
         call(jnp.zeros((1, 6, 2, 8)), jnp.zeros((1, 6, 2, 8)), causal=True)

@@ -24,7 +24,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import tk_jax
 from gpu_util import rel_l2
 from sharding_util import collectives, output_and_grads
-from tk_jax import sharding
 
 pytestmark = pytest.mark.gpu
 
@@ -132,7 +131,7 @@ def test_shard_map_over_batch_matches_one_gpu(gpus, rng, causal):
 
     mesh = Mesh(np.array(gpus), ("x",))
     spec = P("x")
-    local = sharding.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    local = jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
     args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, do)]
     compiled = jax.jit(output_and_grads(local)).lower(*args).compile()
     # The kernel's results are typed per device: autodiff must not sum gradients across GPUs.
@@ -159,12 +158,12 @@ def test_ring_attention_matches_one_gpu(gpus, rng, causal):
     load_balanced = causal  # the layout only matters for causal attention
     attend = functools.partial(tk_jax.ring_attention, axis_name="seq", causal=causal,
                                load_balanced=load_balanced, backend="kernel")
-    ring = sharding.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    ring = jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
     # Load-balanced layout: reorder the sequence before the split, and the results after.
-    to_layout = (functools.partial(sharding.to_load_balanced, num_shards=n) if load_balanced
+    to_layout = (functools.partial(tk_jax.to_load_balanced, num_shards=n) if load_balanced
                  else (lambda x: x))
-    from_layout = (functools.partial(sharding.from_load_balanced, num_shards=n)
+    from_layout = (functools.partial(tk_jax.from_load_balanced, num_shards=n)
                    if load_balanced else (lambda x: x))
     args = [jax.device_put(to_layout(x), NamedSharding(mesh, spec)) for x in (q, k, v, do)]
     compiled = jax.jit(output_and_grads(ring)).lower(*args).compile()

@@ -5,7 +5,6 @@ All checks run in Python before any computation, so these tests are cheap.
 from __future__ import annotations
 
 import functools
-import sys
 import types
 
 import jax
@@ -150,26 +149,12 @@ def test_kernel_backend_where_unavailable():
     expect(ValueError, "backend='kernel'", reason, backend="kernel")
 
 
-def fake_kernels(monkeypatch, unsupported):
-    """Pretend the kernels run here, with a stand-in tk_jax._kernels module."""
+def test_unsupported_head_dim_matters_only_for_kernel_backend(install_kernels):
+    # The kernels (pretend) run here, but not these inputs.
     module = types.ModuleType("tk_jax._kernels")
-    module.attention_kernel_unsupported = lambda q, k, v: unsupported
-    monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
-    monkeypatch.setitem(sys.modules, "tk_jax._kernels", module)
-    monkeypatch.setattr(tk_jax, "_kernels", module, raising=False)
-
-
-def test_unsupported_head_dim_matters_only_for_kernel_backend(monkeypatch):
-    fake_kernels(monkeypatch, unsupported="head_dim 16 is not supported (supported: 64, 128)")
+    module.attention_kernel_unsupported = lambda q, k, v: (
+        "head_dim 16 is not supported (supported: 64, 128)")
+    install_kernels(module)
     expect(ValueError, "backend='kernel'", "head_dim 16 is not supported", backend="kernel")
     q, k, v = qkv()
     assert output_shape(q, k, v, backend="auto") == q.shape  # falls back to reference
-
-
-def test_kernel_wrappers_failing_to_import(monkeypatch):
-    monkeypatch.setattr(tk_jax._backend, "kernel_unavailable_reason", lambda: None)
-    monkeypatch.setitem(sys.modules, "tk_jax._kernels", None)  # makes the import fail
-    monkeypatch.delattr(tk_jax, "_kernels", raising=False)
-    expect(ValueError, "backend='kernel'", "tk_jax._kernels", backend="kernel")
-    q, k, v = qkv()
-    assert output_shape(q, k, v, backend="auto") == q.shape

@@ -9,7 +9,8 @@ import functools
 
 import jax
 
-BACKENDS = ("auto", "kernel", "reference")
+from tk_jax import _ext
+from tk_jax._checks import check_backend_name
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,8 +30,6 @@ def hopper_device_reason() -> str | None:
 
 def kernel_unavailable_reason() -> str | None:
     """None when compiled kernels can run on the default device, else why not."""
-    from tk_jax import _ext
-
     ok, why = _ext.kernels_available()
     if not ok:
         return why
@@ -42,8 +41,7 @@ def select_backend(backend: str, *, unsupported: str | None, op: str) -> str:
 
     `unsupported` is None when the kernel handles these inputs, else a sentence saying why not.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"{op}: backend={backend!r} is not one of {BACKENDS}")
+    check_backend_name(backend, op)
     if backend == "reference":
         return "reference"
     why_not = kernel_unavailable_reason() or unsupported

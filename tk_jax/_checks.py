@@ -1,12 +1,16 @@
-"""Input checks shared by the public functions. Each error names the argument, what was given
-and what is accepted."""
+"""Input checks shared by the public functions. Each error names the function (`op`), the
+argument, what was given and what is accepted."""
 from __future__ import annotations
 
 import math
+import numbers
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+BACKENDS = ("auto", "kernel", "reference")
 
 
 def check_array(x, name: str, *, min_ndim: int, dtypes=FLOAT_DTYPES, op: str) -> None:
@@ -37,3 +41,61 @@ def check_positive_finite(value, name: str, op: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{op}: {name} must be finite and > 0, got {value}")
     return value
+
+
+def check_bool(value, name: str, op: str) -> bool:
+    """A Python (or numpy) bool: flags pick the compiled computation, so they must be concrete
+    and unambiguous (1 or "yes" are refused)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} must be True or False (a Python bool), "
+                        f"got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def is_int(x) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def check_backend_name(backend, op: str) -> None:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{op}: backend={backend!r} is not one of {BACKENDS}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Softmax attention (flash_attention and ring_attention take the same q, k, v and scale).
+
+
+def check_attention_qkv(q, k, v, op: str) -> None:
+    """q [..., Tq, Hq, D], k and v [..., Tk, Hkv, D]: one float dtype, the same leading batch
+    dims and head_dim, Hq a positive multiple of Hkv."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_array(x, name, min_ndim=4, op=op)
+    check_same({"q": q.dtype, "k": k.dtype, "v": v.dtype}, "dtype", op)
+    check_same({"q": q.shape[:-3], "k": k.shape[:-3], "v": v.shape[:-3]},
+               "leading batch dimensions (all but the last three)", op)
+    check_same({"q": q.shape[-1], "k": k.shape[-1], "v": v.shape[-1]},
+               "head_dim (the last dimension)", op)
+    check_same({"k": k.shape, "v": v.shape}, "shape", op)
+    if q.shape[-1] == 0:
+        raise ValueError(f"{op}: q has head_dim 0 (shape {tuple(q.shape)}); head_dim must be >= 1")
+    q_heads, kv_heads = q.shape[-2], k.shape[-2]
+    if kv_heads == 0 or q_heads % kv_heads != 0:
+        raise ValueError(
+            f"{op}: q has {q_heads} heads and k, v have {kv_heads} (axis -2); the number of q "
+            f"heads must be a positive multiple of the number of k/v heads")
+
+
+def resolve_softmax_scale(softmax_scale, *, head_dim: int, op: str) -> float:
+    """softmax_scale as a float; None means 1 / sqrt(head_dim)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    # The scale is a static attribute of the kernel, so it must be a concrete Python number:
+    # a JAX array (possibly traced) is refused even when it holds one element.
+    is_number = isinstance(softmax_scale, numbers.Real) and not isinstance(
+        softmax_scale, (bool, np.bool_, np.ndarray, jax.Array))
+    if not is_number:
+        raise TypeError(
+            f"{op}: softmax_scale must be None or a positive finite Python number, got "
+            f"{type(softmax_scale).__name__} {softmax_scale!r}")
+    return check_positive_finite(softmax_scale, "softmax_scale", op)

@@ -9,6 +9,8 @@ import importlib.metadata
 
 import jax
 
+from tk_jax import _backend, _ext
+
 
 def _distribution_version(name: str) -> str:
     try:
@@ -39,23 +41,15 @@ def _default_device() -> str:
 
 def _extension_build_info() -> dict:
     """How the compiled extension was built (archs, jaxlib it was built against), or why unknown."""
-    try:
-        from tk_jax import _ext
-    except Exception as err:  # a broken install must still produce a report
-        return {"error": f"tk_jax._ext failed to import: {type(err).__name__}: {err}"}
-    build_info = getattr(_ext, "build_info", None)
-    if build_info is None:
-        return {"error": "tk_jax._ext has no build_info()"}
-    try:
-        return dict(build_info())
+    try:  # a broken install must still produce a report
+        return dict(_ext.build_info())
     except Exception as err:
         return {"error": f"build_info() failed: {type(err).__name__}: {err}"}
 
 
 def _kernel_unavailable_reason() -> str | None:
     try:
-        from tk_jax._backend import kernel_unavailable_reason
-        return kernel_unavailable_reason()
+        return _backend.kernel_unavailable_reason()
     except Exception as err:
         return f"could not check: {type(err).__name__}: {err}"
 

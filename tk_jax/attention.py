@@ -7,29 +7,31 @@
 
 The backend is resolved to "kernel" or "reference" in Python, while tracing, before any custom
 call is emitted (see tk_jax/_backend.py). The kernel path goes through the partitioning rule of
-tk_jax/sharding.py, so that a sharded jit runs it per device on (batch, head) shards.
-attention_fwd_impl and attention_bwd_impl are also the building blocks of ring attention, which
-calls them on one block of the sequence at a time.
+tk_jax/_partitioning.py, so that a sharded jit runs it per device on (batch, head) shards.
+attention_fwd_impl and attention_bwd_impl are also the building blocks of ring attention
+(tk_jax/ring.py), which calls them on one block of the sequence at a time.
 """
 from __future__ import annotations
 
 import functools
 import math
-import numbers
 
 import jax
-import numpy as np
 
-from tk_jax._backend import BACKENDS, select_backend
-from tk_jax._checks import check_array, check_positive_finite, check_same
+from tk_jax import _kernels, _partitioning
+from tk_jax._backend import select_backend
+from tk_jax._checks import (check_attention_qkv, check_backend_name, check_bool, is_int,
+                            resolve_softmax_scale)
 from tk_jax.reference import attention as reference_attention
 
 OP = "flash_attention"
 RESOLVED_BACKENDS = ("kernel", "reference")
 
 
-def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                    return_lse=False, backend="auto"):
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+                    softmax_scale: float | None = None,
+                    window_size: tuple[int, int] = (-1, -1), return_lse: bool = False,
+                    backend: str = "auto") -> jax.Array | tuple[jax.Array, jax.Array]:
     """Softmax attention softmax(scale * q k^T + mask) v, differentiable in q, k and v.
 
     Args:
@@ -50,17 +52,17 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
       o [..., Tq, Hq, D] in q's dtype, and with return_lse also lse [..., Hq, Tq] float32.
       A query that sees no key gets o = 0, lse = -inf and zero gradients.
     """
-    _check_qkv(q, k, v)
-    scale = _resolve_scale(softmax_scale, head_dim=q.shape[-1])
+    check_attention_qkv(q, k, v, OP)
+    scale = resolve_softmax_scale(softmax_scale, head_dim=q.shape[-1], op=OP)
     window_left, window_right = _check_window_size(window_size)
-    _check_bool(causal, "causal")
-    _check_bool(return_lse, "return_lse")
-    _check_backend_name(backend)
+    check_bool(causal, "causal", OP)
+    check_bool(return_lse, "return_lse", OP)
+    check_backend_name(backend, OP)
     if causal:
         window_right = 0
 
     batch_shape = q.shape[:-3]
-    q4, k4, v4 = (_fold_batch_dims(x) for x in (q, k, v))
+    q4, k4, v4 = (fold_batch_dims(x) for x in (q, k, v))
     resolved = choose_backend(q4, k4, v4, backend)
     if not return_lse:
         o = _attention(q4, k4, v4, scale, window_left, window_right, resolved)
@@ -72,13 +74,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
 def choose_backend(q, k, v, backend: str, *, op: str = OP) -> str:
     """Resolve "auto" | "kernel" | "reference" to "kernel" or "reference" for rank-4 inputs."""
     unsupported = None
-    if backend != "reference":  # the reference needs no kernel, so don't import the wrappers
-        try:
-            from tk_jax import _kernels
-        except ImportError as err:
-            unsupported = f"the kernel wrappers (tk_jax._kernels) failed to import: {err}"
-        else:
-            unsupported = _kernels.attention_kernel_unsupported(q, k, v)
+    if backend != "reference":
+        unsupported = _kernels.attention_kernel_unsupported(q, k, v)
     return select_backend(backend, unsupported=unsupported, op=op)
 
 
@@ -93,12 +90,11 @@ def attention_fwd_impl(q, k, v, *, scale, window_left, window_right, backend, lo
     attention) and the kernel is called directly, without the partitioning rule."""
     _check_resolved(backend)
     if backend == "kernel":
-        from tk_jax import _kernels, sharding
         # The kernel sees whole arrays; the partitioning rule lets a sharded jit run it once per
         # device on the local (batch, head) shard. (The reference needs no rule: XLA splits
         # plain JAX by itself.)
-        kernel = (sharding.on_local_shards if local else sharding.partitioned_attention_fwd)(
-            _kernels.attention_fwd)
+        wrap = _partitioning.on_local_shards if local else _partitioning.partitioned_attention_fwd
+        kernel = wrap(_kernels.attention_fwd)
         return kernel(q, k, v, scale=scale, window_left=window_left, window_right=window_right)
     return reference_attention.attention_forward(q, k, v, scale=scale, window_left=window_left,
                                                  window_right=window_right)
@@ -116,10 +112,9 @@ def attention_bwd_impl(q, k, v, o, lse, do, *, scale, window_left, window_right,
     _check_resolved(backend)
     window = dict(scale=scale, window_left=window_left, window_right=window_right)
     if backend == "kernel":
-        from tk_jax import _kernels, sharding
-        backward = (sharding.on_local_shards(_kernels.attention_bwd) if local else
-                    sharding.partitioned_attention_bwd(_kernels.attention_bwd,
-                                                       with_dlse=dlse is not None))
+        backward = (_partitioning.on_local_shards(_kernels.attention_bwd) if local else
+                    _partitioning.partitioned_attention_bwd(_kernels.attention_bwd,
+                                                            with_dlse=dlse is not None))
         return backward(q, k, v, o, lse, do, *(() if dlse is None else (dlse,)), **window)
     return _reference_backward(q, k, v, o, lse, do, dlse, **window)
 
@@ -182,63 +177,17 @@ _attention_with_lse.defvjp(_forward_rule, _attention_with_lse_backward_rule)
 
 
 # ----------------------------------------------------------------------------------------------
-# Argument checks. Every error names the argument, the value given and what is accepted.
-
-
-def _check_qkv(q, k, v, *, op=OP):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_array(x, name, min_ndim=4, op=op)
-    check_same({"q": q.dtype, "k": k.dtype, "v": v.dtype}, "dtype", op)
-    check_same({"q": q.shape[:-3], "k": k.shape[:-3], "v": v.shape[:-3]},
-               "leading batch dimensions (all but the last three)", op)
-    check_same({"q": q.shape[-1], "k": k.shape[-1], "v": v.shape[-1]},
-               "head_dim (the last dimension)", op)
-    check_same({"k": k.shape, "v": v.shape}, "shape", op)
-    if q.shape[-1] == 0:
-        raise ValueError(f"{op}: q has head_dim 0 (shape {tuple(q.shape)}); head_dim must be >= 1")
-    q_heads, kv_heads = q.shape[-2], k.shape[-2]
-    if kv_heads == 0 or q_heads % kv_heads != 0:
-        raise ValueError(
-            f"{op}: q has {q_heads} heads and k, v have {kv_heads} (axis -2); the number of q "
-            f"heads must be a positive multiple of the number of k/v heads")
-
-
-def _resolve_scale(softmax_scale, *, head_dim: int, op=OP) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    # The scale is a static attribute of the kernel, so it must be a concrete Python number:
-    # a JAX array (possibly traced) is refused even when it holds one element.
-    is_number = isinstance(softmax_scale, numbers.Real) and not isinstance(
-        softmax_scale, (bool, np.bool_, np.ndarray, jax.Array))
-    if not is_number:
-        raise TypeError(
-            f"{op}: softmax_scale must be None or a positive finite Python number, got "
-            f"{type(softmax_scale).__name__} {softmax_scale!r}")
-    return check_positive_finite(softmax_scale, "softmax_scale", op)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+# Argument checks of flash_attention only (those shared with ring_attention are in
+# tk_jax/_checks.py). Every error names the argument, the value given and what is accepted.
 
 
 def _check_window_size(window_size) -> tuple[int, int]:
     accepted = "a pair (window_left, window_right) of ints, each -1 (unbounded) or >= 0"
-    if not isinstance(window_size, (tuple, list)) or not all(_is_int(w) for w in window_size):
+    if not isinstance(window_size, (tuple, list)) or not all(is_int(w) for w in window_size):
         raise TypeError(f"{OP}: window_size must be {accepted}, got {window_size!r}")
     if len(window_size) != 2 or any(w < -1 for w in window_size):
         raise ValueError(f"{OP}: window_size must be {accepted}, got {window_size!r}")
     return int(window_size[0]), int(window_size[1])
-
-
-def _check_bool(value, name: str, *, op=OP) -> None:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{op}: {name} must be a Python bool (True or False), "
-                        f"got {type(value).__name__} {value!r}")
-
-
-def _check_backend_name(backend, *, op=OP) -> None:
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"{op}: backend={backend!r} is not one of {BACKENDS}")
 
 
 def _check_resolved(backend) -> None:
@@ -247,6 +196,6 @@ def _check_resolved(backend) -> None:
                          f"(see choose_backend), got {backend!r}")
 
 
-def _fold_batch_dims(x):
+def fold_batch_dims(x: jax.Array) -> jax.Array:
     """[..., T, H, D] -> [B, T, H, D], B the product of the leading dims (a view, no copy)."""
     return x.reshape((math.prod(x.shape[:-3]),) + x.shape[-3:])

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tk_jax import _kernels, _partitioning, _sequence_split
 from tk_jax._backend import select_backend
-from tk_jax._checks import check_array, check_same
+from tk_jax._checks import check_array, check_bool, check_same
 from tk_jax.reference import based as reference
 
 FEATURE_DIM = reference.FEATURE_DIM      # 16: the q/k feature dim of Based
@@ -42,8 +43,6 @@ class BasedState(NamedTuple):
 def _based_kernel_unsupported(q, k, v, *, normalize, initial_state) -> str | None:
     """Why the kernel cannot run these inputs (a sentence), or None when it can.
     The kernel takes every option (normalize, eps, initial_state); only shapes/dtypes limit it."""
-    from tk_jax import _kernels
-
     return _kernels.based_kernel_unsupported(q, k, v)
 
 
@@ -59,12 +58,10 @@ def _kernel_start_state(v, initial_state):
 def based_fwd_impl(q, k, v, initial_state, *, normalize, eps, backend):
     """Forward. Returns ((y, (S, z)), residuals for based_bwd_impl)."""
     if backend == "kernel":
-        from tk_jax import _kernels, _sequence_split, sharding
-
         batch, seq_len, heads, value_dim = v.shape
         s0, z0 = _kernel_start_state(v, initial_state)
         # The partitioning rule lets a sharded jit run the kernel per (batch, head) shard.
-        kernel = sharding.partitioned_based_fwd(_kernels.based_fwd)
+        kernel = _partitioning.partitioned_based_fwd(_kernels.based_fwd)
         groups = _sequence_split.num_groups(batch, heads, value_dim, seq_len,
                                             _sequence_split.multiprocessor_count())
         if groups > 1:  # too few (batch, head) blocks to fill the GPU: split the sequence
@@ -86,10 +83,8 @@ def based_bwd_impl(residuals, cotangents, *, normalize, eps, backend):
     """Backward. cotangents = (dy, (dS, dz)); returns (dq, dk, dv, d_initial_state)."""
     dy, (d_state, d_z) = cotangents
     if backend == "kernel":
-        from tk_jax import _kernels, _sequence_split, sharding
-
         q, k, v, initial_state, y, den, starts = residuals
-        kernel = sharding.partitioned_based_bwd(_kernels.based_bwd)
+        kernel = _partitioning.partitioned_based_bwd(_kernels.based_bwd)
         if starts is not None:  # the forward split the sequence: so does the backward
             dq, dk, dv, ds0, dz0 = _sequence_split.backward(
                 kernel, q, k, v, y, den, dy, starts, d_state, d_z, normalize=normalize, eps=eps)
@@ -130,12 +125,6 @@ _based.defvjp(_based_fwd, _based_bwd)
 # ---------------------------------------------------------------------------------------------
 # Input checks
 # ---------------------------------------------------------------------------------------------
-
-def _check_flag(value, name: str, op: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{op}: {name} must be True or False, got {value!r}")
-    return bool(value)
-
 
 def _check_eps(eps, op: str) -> float:
     """eps is static (a Python number): it is baked into the compiled computation."""
@@ -187,8 +176,10 @@ def _check_state(state, name: str, *, batch_heads: tuple, value_dim: int, op: st
 # Public functions
 # ---------------------------------------------------------------------------------------------
 
-def based_linear_attention(q, k, v, *, normalize=True, eps=1e-6, initial_state=None,
-                           return_state=False, backend="auto"):
+def based_linear_attention(
+        q: jax.Array, k: jax.Array, v: jax.Array, *, normalize: bool = True, eps: float = 1e-6,
+        initial_state: tuple[jax.Array, jax.Array] | None = None, return_state: bool = False,
+        backend: str = "auto") -> jax.Array | tuple[jax.Array, BasedState]:
     """Causal Based linear attention (Taylor feature map, feature dim 16).
 
     Args:
@@ -210,8 +201,8 @@ def based_linear_attention(q, k, v, *, normalize=True, eps=1e-6, initial_state=N
     """
     op = "based_linear_attention"
     _check_qkv({"q": q, "k": k, "v": v}, min_ndim=4, axes="[..., T, H]", op=op)
-    normalize = _check_flag(normalize, "normalize", op)
-    return_state = _check_flag(return_state, "return_state", op)
+    normalize = check_bool(normalize, "normalize", op)
+    return_state = check_bool(return_state, "return_state", op)
     eps = _check_eps(eps, op)
 
     batch_shape = tuple(q.shape[:-3])
@@ -245,7 +236,10 @@ def based_linear_attention(q, k, v, *, normalize=True, eps=1e-6, initial_state=N
     return y, state
 
 
-def based_decode_step(q_t, k_t, v_t, state, *, normalize=True, eps=1e-6, backend="auto"):
+def based_decode_step(
+        q_t: jax.Array, k_t: jax.Array, v_t: jax.Array, state: tuple[jax.Array, jax.Array], *,
+        normalize: bool = True, eps: float = 1e-6,
+        backend: str = "auto") -> tuple[jax.Array, BasedState]:
     """One generation step of Based attention (jit, vmap and grad work as usual).
 
     Args:
@@ -260,7 +254,7 @@ def based_decode_step(q_t, k_t, v_t, state, *, normalize=True, eps=1e-6, backend
     """
     op = "based_decode_step"
     _check_qkv({"q_t": q_t, "k_t": k_t, "v_t": v_t}, min_ndim=2, axes="[..., H]", op=op)
-    normalize = _check_flag(normalize, "normalize", op)
+    normalize = check_bool(normalize, "normalize", op)
     eps = _check_eps(eps, op)
     batch_heads = tuple(q_t.shape[:-1])
     state = _check_state(state, "state", batch_heads=batch_heads, value_dim=v_t.shape[-1], op=op)
@@ -277,16 +271,12 @@ def based_decode_step(q_t, k_t, v_t, state, *, normalize=True, eps=1e-6, backend
 
 
 def _decode_kernel_unsupported(q_t, v_t) -> str | None:
-    from tk_jax import _kernels
-
     return _kernels.based_decode_unsupported(q_t, v_t)
 
 
 def _decode_impl(q_t, k_t, v_t, state, normalize, eps, backend):
     if backend == "kernel":
-        from tk_jax import _kernels, sharding
-
-        kernel = sharding.partitioned_based_decode(_kernels.based_decode)
+        kernel = _partitioning.partitioned_based_decode(_kernels.based_decode)
         y, s, z = kernel(q_t, k_t, v_t, *state, normalize=normalize, eps=eps)
         return y, (s, z)
     return reference.based_decode_step_reference(q_t, k_t, v_t, state, normalize=normalize,

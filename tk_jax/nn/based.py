@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from tk_jax.linear_attention import FEATURE_DIM, based_linear_attention
 
@@ -24,7 +25,7 @@ class BasedLinearAttention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, *, head_dim: int | None = None,
                  output_norm: str = "denominator", eps: float = 1e-6,
-                 dtype=jnp.float32, backend: str = "auto", rngs: nnx.Rngs):
+                 dtype: DTypeLike = jnp.float32, backend: str = "auto", rngs: nnx.Rngs):
         if output_norm not in OUTPUT_NORMS:
             raise ValueError(f"BasedLinearAttention: output_norm={output_norm!r} is not one of "
                              f"{OUTPUT_NORMS}")

@@ -4,12 +4,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 
 class SwiGLU(nnx.Module):
     """x [..., d_model] -> down(silu(gate(x)) * up(x)), hidden width `hidden_dim`."""
 
-    def __init__(self, d_model: int, hidden_dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, hidden_dim: int, *, dtype: DTypeLike = jnp.float32,
+                 rngs: nnx.Rngs):
         def linear(d_in, d_out):
             return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, rngs=rngs)
 

@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from tk_jax.nn.based import BasedLinearAttention
 from tk_jax.nn.mlp import SwiGLU
@@ -58,7 +59,7 @@ class BasedConfig:
     # MLP
     mlp_hidden_dim: int | None = None               # None: 4 * d_model
     tie_embeddings: bool = True
-    dtype: jnp.dtype = jnp.float32                 # activations; parameters stay float32
+    dtype: DTypeLike = jnp.float32                  # activations; parameters stay float32
     backend: str = "auto"                           # passed to the tk_jax kernel calls
 
     def pattern(self) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 
 def causal_depthwise_conv(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
@@ -30,7 +31,7 @@ class GatedShortConv(nnx.Module):
     key: what associative recall needs); the gate makes the mixing input dependent.
     """
 
-    def __init__(self, d_model: int, *, kernel_size: int = 4, dtype=jnp.float32,
+    def __init__(self, d_model: int, *, kernel_size: int = 4, dtype: DTypeLike = jnp.float32,
                  rngs: nnx.Rngs):
         if kernel_size < 1:
             raise ValueError(f"GatedShortConv: kernel_size must be >= 1, got {kernel_size}")

@@ -4,7 +4,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
+from tk_jax.attention import flash_attention
 from tk_jax.nn.rotary import apply_rotary
 
 
@@ -16,7 +18,7 @@ class SlidingWindowAttention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, window: int, *,
                  head_dim: int | None = None, rope_base: float = 10000.0,
-                 dtype=jnp.float32, backend: str = "auto", rngs: nnx.Rngs):
+                 dtype: DTypeLike = jnp.float32, backend: str = "auto", rngs: nnx.Rngs):
         if window < 1:
             raise ValueError(f"SlidingWindowAttention: window must be >= 1, got {window}")
         head_dim = head_dim or d_model // num_heads
@@ -35,10 +37,6 @@ class SlidingWindowAttention(nnx.Module):
         self.out_proj = linear(num_heads * head_dim, d_model)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # Imported here, not at module level, so the Based layers work without the attention
-        # module being imported (and to keep nn importable on its own).
-        from tk_jax.attention import flash_attention
-
         batch, seq_len, _ = x.shape
         split_heads = lambda t: t.reshape(batch, seq_len, self.num_heads, self.head_dim)
         q = apply_rotary(split_heads(self.q_proj(x)), base=self.rope_base)
