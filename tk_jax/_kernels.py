@@ -3,6 +3,7 @@ and in the kernels' layout ([batch, seq, heads, dim], contiguous); these only bu
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import types
 
@@ -13,7 +14,7 @@ import numpy as np
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 
 try:  # the compiled extension: it also tells the facts of the kernels that the calls need
-    from tk_jax import _tk
+    _tk = importlib.import_module("tk_jax._tk")
 except ImportError as err:
     _tk, _TK_IMPORT_ERROR = None, str(err)
 
