@@ -1,97 +1,219 @@
 """Command line: `python -m tk_jax info` and `python -m tk_jax demo`.
 
-demo runs a short jitted forward + backward of flash_attention and based_linear_attention on
-the best backend available here, and compares outputs and gradients with the float32 reference.
-(Benchmarks live in `python -m tk_jax.bench`.)
+demo runs every op once, jitted, forward and backward, on the backend `backend="auto"` picks
+here, and checks outputs and gradients against a naive float64 NumPy computation written out
+below from the math (independent of tk_jax.reference). It prints the backend, the error and
+ok/FAIL per op, and exits with status 1 if any check fails.
+(Benchmarks live in `python -m bench`.)
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
-# bf16 accuracy criterion of the design: relative L2 error of outputs and gradients vs float32.
-TOLERANCE = 1e-2
+import tk_jax
+
+# Largest relative L2 error of an output or gradient against float64. bf16: the accuracy
+# criterion of the design (typically ~2e-3); float32 (the CPU demo): rounding only.
+TOLERANCE = {"bfloat16": 1e-2, "float32": 1e-4}
 
 
 def relative_l2(actual, expected) -> float:
-    actual = jnp.asarray(actual, jnp.float32)
-    expected = jnp.asarray(expected, jnp.float32)
-    norm = jnp.linalg.norm(expected)
-    diff = jnp.linalg.norm(actual - expected)
-    return float(diff / norm) if float(norm) > 0 else float(diff)
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    norm = np.linalg.norm(expected)
+    diff = np.linalg.norm(actual - expected)
+    return float(diff / norm) if norm > 0 else float(diff)
 
 
-def forward_backward(fn, inputs, cotangent):
-    """Jitted output and input gradients of `fn` for the given output cotangent."""
+# ------------------------------------------------------------------------------------------
+# Naive float64 computations: arrays [B, T, H, X] as in the API, moved to [B, H, T, X] inside.
+
+def _heads_first(x):
+    return np.swapaxes(np.asarray(x, np.float64), 1, 2)
+
+
+def naive_attention(q, k, v, do, *, causal: bool):
+    """Softmax attention and its gradients: (o, dq, dk, dv) for output cotangent do."""
+    q, k, v, do = map(_heads_first, (q, k, v, do))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = q @ np.swapaxes(k, -1, -2) * scale
+    if causal:
+        scores = np.where(np.tril(np.ones(scores.shape[-2:], bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    o = p @ v
+    dv = np.swapaxes(p, -1, -2) @ do
+    dp = do @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))   # softmax's Jacobian
+    dq = ds @ k * scale
+    dk = np.swapaxes(ds, -1, -2) @ q * scale
+    return tuple(np.swapaxes(x, 1, 2) for x in (o, dq, dk, dv))
+
+
+def naive_based(q, k, v, dy, *, eps: float):
+    """Normalised causal Based attention, y_t = sum_j a_tj v_j / (sum_j a_tj + eps) with
+    a_tj = 1 + s + s^2/2, s = q_t.k_j / sqrt(d), j <= t; returns (y, dq, dk, dv)."""
+    q, k, v, dy = map(_heads_first, (q, k, v, dy))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    causal = np.tril(np.ones((q.shape[-2], k.shape[-2])))
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    a = (1.0 + s + 0.5 * s * s) * causal
+    num = a @ v
+    den = a.sum(axis=-1, keepdims=True) + eps
+    y = num / den
+    dnum = dy / den
+    dden = -(dy * y).sum(axis=-1, keepdims=True) / den
+    da = dnum @ np.swapaxes(v, -1, -2) + dden
+    dv = np.swapaxes(a, -1, -2) @ dnum
+    ds = da * (1.0 + s) * causal
+    dq = ds @ k * scale
+    dk = np.swapaxes(ds, -1, -2) @ q * scale
+    return tuple(np.swapaxes(x, 1, 2) for x in (y, dq, dk, dv))
+
+
+def taylor_features(x):
+    """phi(x) = [1, x / d^(1/4), vec(x x^T) / (sqrt(2) sqrt(d))], so phi(q).phi(k) = 1 + s + s^2/2."""
+    x = np.asarray(x, np.float64)
+    d = x.shape[-1]
+    outer = (x[..., :, None] * x[..., None, :]).reshape(x.shape[:-1] + (d * d,))
+    return np.concatenate([np.ones(x.shape[:-1] + (1,)), x / d**0.25,
+                           outer / (math.sqrt(2.0) * math.sqrt(d))], axis=-1)
+
+
+def naive_based_decode(q_t, k_t, v_t, state_s, state_z, *, eps: float):
+    """One recurrent step: S += phi(k_t) v_t^T, z += phi(k_t), y_t = phi(q_t) S / (phi(q_t).z + eps)."""
+    phi_k, phi_q = taylor_features(k_t), taylor_features(q_t)
+    state_s = np.asarray(state_s, np.float64) + phi_k[..., :, None] * np.asarray(v_t, np.float64)[..., None, :]
+    state_z = np.asarray(state_z, np.float64) + phi_k
+    y = np.einsum("...f,...fv->...v", phi_q, state_s) / (
+        np.einsum("...f,...f->...", phi_q, state_z)[..., None] + eps)
+    return y, state_s, state_z
+
+
+# ------------------------------------------------------------------------------------------
+# Running an op and judging it.
+
+def run_jitted(fn, *args):
+    """fn(*args) compiled, and "kernel" if the compiled program calls a tk_jax kernel (an XLA
+    FFI target named tk_*), else "reference"."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    backend = "kernel" if 'custom_call_target="tk_' in compiled.as_text() else "reference"
+    return compiled(*args), backend
+
+
+def output_and_grads(fn, inputs, cotangent):
+    """Jitted output of fn and the gradients of <output, cotangent> in every input."""
     def run(inputs, cotangent):
         out, pullback = jax.vjp(fn, *inputs)
         return out, pullback(cotangent)
-    return jax.jit(run)(inputs, cotangent)
+    (out, grads), backend = run_jitted(run, inputs, cotangent)
+    return (out,) + tuple(grads), backend
 
 
-def compare_with_reference(title, make_fn, inputs, names, dtype) -> bool:
-    """Run make_fn(backend) on the best backend and on the float32 reference; print errors."""
-    cotangent_key = jax.random.PRNGKey(1)
-    inputs = tuple(x.astype(dtype) for x in inputs)
-    # Try the kernel first; the API raises ValueError (while tracing) saying why it can't run.
-    backend, why = "kernel", ""
-    out_shape = jax.eval_shape(make_fn("reference"), *inputs)
-    cotangent = jax.random.normal(cotangent_key, out_shape.shape, jnp.float32).astype(dtype)
-    try:
-        out, grads = forward_backward(make_fn("kernel"), inputs, cotangent)
-    except ValueError as err:
-        backend, why = "reference", f" (kernel not used: {err})"
-        out, grads = forward_backward(make_fn("reference"), inputs, cotangent)
-    inputs32 = tuple(x.astype(jnp.float32) for x in inputs)
-    ref_out, ref_grads = forward_backward(make_fn("reference"), inputs32,
-                                          cotangent.astype(jnp.float32))
-
-    print(f"{title}: backend={backend}{why}")
-    ok = True
-    for name, actual, expected in zip(["output"] + [f"d{n}" for n in names],
-                                      (out,) + tuple(grads), (ref_out,) + tuple(ref_grads)):
-        error = relative_l2(actual, expected)
-        ok &= error < TOLERANCE
-        verdict = "ok" if error < TOLERANCE else f"FAIL (> {TOLERANCE:g})"
-        print(f"  {name:<7} relative L2 error vs float32 reference: {error:.2e}  {verdict}")
+def report(title, backend, named_results, tolerance) -> bool:
+    """Print one op's errors against the naive computation; True when all are within tolerance."""
+    errors = {name: relative_l2(actual, expected) for name, actual, expected in named_results}
+    ok = all(error <= tolerance for error in errors.values())  # NaN fails
+    details = "  ".join(f"{name} {error:.1e}" for name, error in errors.items())
+    print(f"{title:<34} {backend:<9} {details}  {'ok' if ok else f'FAIL (> {tolerance:g})'}")
     return ok
 
 
+def random_inputs(rng, dtype, *shapes, scale=1.0):
+    """Standard normal arrays (times scale) of the given shapes, in dtype."""
+    return tuple(jnp.asarray(scale * rng.standard_normal(shape), dtype) for shape in shapes)
+
+
+def check_flash_attention(rng, dtype, tolerance) -> bool:
+    batch, seq, heads, dim = 2, 256, 4, 64
+    q, k, v, do = random_inputs(rng, dtype, *[(batch, seq, heads, dim)] * 4)
+    results, backend = output_and_grads(
+        functools.partial(tk_jax.flash_attention, causal=True), (q, k, v), do)
+    expected = naive_attention(q, k, v, do, causal=True)
+    return report("flash_attention (causal)", backend,
+                  zip(["o", "dq", "dk", "dv"], results, expected), tolerance)
+
+
+def check_ring_attention(rng, dtype, tolerance) -> bool:
+    """Ring attention over all local devices (a ring of one on a single device)."""
+    devices = jax.devices()
+    batch, seq, heads, dim = 2, 64 * len(devices), 4, 64
+    q, k, v, do = random_inputs(rng, dtype, *[(batch, seq, heads, dim)] * 4)
+    mesh = Mesh(np.array(devices), ("seq",))
+    split = PartitionSpec(None, "seq")
+    ring = jax.shard_map(
+        functools.partial(tk_jax.ring_attention, axis_name="seq", causal=True, load_balanced=False),
+        mesh=mesh, in_specs=split, out_specs=split)
+    results, backend = output_and_grads(ring, (q, k, v), do)
+    expected = naive_attention(q, k, v, do, causal=True)
+    return report(f"ring_attention ({len(devices)} device(s))", backend,
+                  zip(["o", "dq", "dk", "dv"], results, expected), tolerance)
+
+
+def check_based_linear_attention(rng, dtype, tolerance) -> bool:
+    batch, seq, heads, value_dim = 2, 256, 4, 64
+    eps = 1e-6
+    # Small q, k keep the Taylor map's weights 1 + s + s^2/2 in a sensible range.
+    q, k = random_inputs(rng, dtype, *[(batch, seq, heads, 16)] * 2, scale=0.5)
+    v, dy = random_inputs(rng, dtype, *[(batch, seq, heads, value_dim)] * 2)
+    results, backend = output_and_grads(
+        functools.partial(tk_jax.based_linear_attention, eps=eps), (q, k, v), dy)
+    expected = naive_based(q, k, v, dy, eps=eps)
+    return report("based_linear_attention", backend,
+                  zip(["y", "dq", "dk", "dv"], results, expected), tolerance)
+
+
+def check_based_decode_step(rng, dtype, tolerance) -> bool:
+    batch, prefix, heads, value_dim = 2, 32, 4, 64
+    eps = 1e-6
+    q_t, k_t, k_prefix = random_inputs(rng, dtype, (batch, heads, 16), (batch, heads, 16),
+                                       (batch, prefix, heads, 16), scale=0.5)
+    v_t, v_prefix = random_inputs(rng, dtype, (batch, heads, value_dim),
+                                  (batch, prefix, heads, value_dim))
+    # The state after a prefix, from its definition: S = sum_j phi(k_j) v_j^T, z = sum_j phi(k_j).
+    phi_k = taylor_features(k_prefix)
+    state_s = np.einsum("bthf,bthv->bhfv", phi_k, np.asarray(v_prefix, np.float64))
+    state_z = phi_k.sum(axis=1)
+    state = (jnp.asarray(state_s, jnp.float32), jnp.asarray(state_z, jnp.float32))
+    (y_t, (new_s, new_z)), backend = run_jitted(
+        functools.partial(tk_jax.based_decode_step, eps=eps), q_t, k_t, v_t, state)
+    expected = naive_based_decode(q_t, k_t, v_t, state[0], state[1], eps=eps)
+    return report("based_decode_step", backend,
+                  zip(["y_t", "S", "z"], (y_t, new_s, new_z), expected), tolerance)
+
+
+CHECKS = (check_flash_attention, check_ring_attention, check_based_linear_attention,
+          check_based_decode_step)
+
+
 def demo() -> int:
-    on_gpu = jax.default_backend() == "gpu"
-    dtype = jnp.bfloat16 if on_gpu else jnp.float32
-    print(f"device: {jax.devices()[0]}, dtype: {jnp.dtype(dtype).name}")
-    keys = jax.random.split(jax.random.PRNGKey(0), 6)
-    batch, seq, heads = 2, 256, 4
+    from tk_jax._backend import kernel_unavailable_reason
 
-    from tk_jax.attention import flash_attention
-    q, k, v = (jax.random.normal(key, (batch, seq, heads, 64), jnp.float32) for key in keys[:3])
-
-    def attention_fn(backend):
-        return functools.partial(flash_attention, causal=True, backend=backend)
-
-    ok = compare_with_reference("flash_attention (B=2, T=256, H=4, D=64, causal)",
-                                attention_fn, (q, k, v), "qkv", dtype)
-
-    try:
-        from tk_jax.linear_attention import based_linear_attention
-    except ImportError as err:
-        print(f"based_linear_attention: skipped, not importable yet ({err})")
-        return 0 if ok else 1
-    # Based's feature dimension is 16; small q, k keep the Taylor feature map in a sane range.
-    q, k = (0.5 * jax.random.normal(key, (batch, seq, heads, 16), jnp.float32)
-            for key in keys[3:5])
-    v = jax.random.normal(keys[5], (batch, seq, heads, 64), jnp.float32)
-
-    def based_fn(backend):
-        return functools.partial(based_linear_attention, backend=backend)
-
-    ok &= compare_with_reference("based_linear_attention (B=2, T=256, H=4, feature 16, Dv=64)",
-                                 based_fn, (q, k, v), "qkv", dtype)
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    tolerance = TOLERANCE[jnp.dtype(dtype).name]
+    why_not = kernel_unavailable_reason()
+    print(f"device: {jax.devices()[0]}, dtype: {jnp.dtype(dtype).name}, kernels: "
+          + ("available" if why_not is None else f"not used here ({why_not})"))
+    print(f"relative L2 error of each output and gradient against naive float64 NumPy "
+          f"(tolerance {tolerance:g}):")
+    rng = np.random.default_rng(0)
+    ok = True
+    for check in CHECKS:
+        title = check.__name__.removeprefix("check_")
+        try:
+            ok &= check(rng, dtype, tolerance)
+        except Exception as err:  # report every op, then fail
+            print(f"{title:<34} FAIL: {type(err).__name__}: {err}")
+            ok = False
+    print("all ok" if ok else "FAILED")
     return 0 if ok else 1
 
 
@@ -99,8 +221,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tk_jax", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, extension build and kernel availability")
-    commands.add_parser("demo", help="jitted forward+backward of each op, checked against the "
-                                     "float32 reference")
+    commands.add_parser("demo", help="each op, jitted forward and backward, checked against a "
+                                     "naive float64 computation")
     args = parser.parse_args(argv)
     if args.command == "info":
         from tk_jax._info import format_info, info

@@ -7,15 +7,20 @@ import importlib
 import jax
 
 
+_BUILD_INFO_KEYS = ("have_kernels", "why_no_kernels", "built_against_jaxlib", "xla_ffi_headers",
+                    "xla_ffi_api", "cuda_archs")
+
+
 def build_info() -> dict:
-    """What the build recorded: whether kernels were compiled, why not, the jaxlib used."""
+    """What the build recorded: whether kernels were compiled and if not why, the XLA FFI
+    headers they were compiled against (a jaxlib version, or the TK_JAX_FFI_INCLUDE_DIR path) and
+    their FFI API version, the CUDA architectures."""
     try:
         from tk_jax import _build_info as b
     except ImportError:
         return {"have_kernels": False, "why_no_kernels": "package not built (no _build_info)",
-                "built_against_jaxlib": "", "cuda_archs": ""}
-    return {"have_kernels": b.have_kernels, "why_no_kernels": b.why_no_kernels,
-            "built_against_jaxlib": b.built_against_jaxlib, "cuda_archs": b.cuda_archs}
+                **{key: "" for key in _BUILD_INFO_KEYS[2:]}}
+    return {key: getattr(b, key, "") for key in _BUILD_INFO_KEYS}
 
 
 @functools.lru_cache(maxsize=None)
