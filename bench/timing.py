@@ -169,7 +169,7 @@ def measure_interleaved(runners: list[Runner], *, reps: int = 10, warmup: int = 
     Before the first recorded round, unrecorded rounds run for `settle_seconds`: an H100 runs
     attention at its power limit, and its power reading averages over about a second, so the
     first tenths of a second of a burst run at higher clocks than a training step keeps
-    (bench/NOTES.md). Returns, per runner, its Timing or the exception it raised (it
+    (docs/DESIGN.md). Returns, per runner, its Timing or the exception it raised (it
     then leaves the rounds)."""
     if reps < 1:
         raise ValueError(f"measure: reps must be >= 1, got {reps}")

@@ -21,7 +21,7 @@ D=256 clusters of two 64-key blocks, on sms/2 pairs of SMs), each as long as the
 tiles it walks, pair after pair or in the launcher's L2-sized groups of pairs (the D=256
 causal 8k and 16k grids end within 0.1% of even).
 
-The model ignores L2, clocks and how wgmma work overlaps; bench/NOTES.md compares it with
+The model ignores L2, clocks and how wgmma work overlaps; docs/DESIGN.md compares it with
 measurements (a per-block trace agrees with it at D=128 causal 8k)."""
 import argparse
 import heapq

@@ -245,7 +245,7 @@ cudaError_t launch_backward(const BackwardParams& p, const backward_workspace& w
   BackwardArgs args{};
   // Under a band the key blocks differ in length, and pairs interleave heaviest first in
   // L2-sized groups (BACKWARD_GROUP_L2_BYTES), so that the last blocks to start are light:
-  // causal fwd+bwd +1-2% at 2k-8k (bench/NOTES.md). Otherwise one pair per group:
+  // causal fwd+bwd +1-2% at 2k-8k (docs/DESIGN.md). Otherwise one pair per group:
   // interleaving lost 2-9% on unmasked D = 64.
   const size_t group_l2_bytes = p.window_right >= 0 ? BACKWARD_GROUP_L2_BYTES : 0;
   if (cudaError_t err = prepare_backward<T, D>(args, p, ws, 64, group_l2_bytes); err != cudaSuccess) return err;

@@ -203,7 +203,7 @@ cudaError_t launch_split_backward(const BackwardParams& p, const backward_worksp
   using config = split_backward_config<D>;
   BackwardArgs args{};
   // Pairs interleave in L2-sized groups (BACKWARD_GROUP_L2_BYTES), masked or not: +3-5% fwd+bwd
-  // at 2k-4k over one pair at a time (bench/NOTES.md).
+  // at 2k-4k over one pair at a time (docs/DESIGN.md).
   if (cudaError_t err = prepare_backward<T, D>(args, p, ws, config::KV_ROWS, BACKWARD_GROUP_L2_BYTES);
       err != cudaSuccess)
     return err;

@@ -50,7 +50,7 @@ struct forward_config {
   static_assert(STAGES >= 2);
   static constexpr int PRODUCER_REGS = 24;
   static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, CONSUMERS);
-  // Up to this many keys the persistent grid runs. Same-card A/Bs on an H100 (bench/NOTES.md):
+  // Up to this many keys the persistent grid runs. Same-card A/Bs on an H100 (docs/DESIGN.md):
   // +4-30% up to 2048 keys; at 4096 +4-10% except D=256 unmasked (-3%); at 8k-16k
   // its static walk falls behind the hardware's scheduling of causal blocks (up to -36%).
   static constexpr int PERSISTENT_MAX_KEYS = 4096;
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
 
 // Consumers per block: 3 at D = 64 (192 query rows), where their registers allow it, except
 // for causal or windowed attention over at most 2048 keys, where a 192-row block's masked
-// work at the band's edge outweighs it; else 2. (Same-card A/Bs in bench/NOTES.md: burst-timed
+// work at the band's edge outweighs it; else 2. (Same-card A/Bs in docs/DESIGN.md: burst-timed
 // rounds set the limit at 4096 keys; at sustained clocks three consumers gain 2.9% at causal 4k.)
 inline int forward_consumers(const ForwardParams& p) {
   const bool banded = p.window_left >= 0 || p.window_right >= 0;
