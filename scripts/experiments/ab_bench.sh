@@ -12,8 +12,9 @@
 #
 # Usage: scripts/experiments/ab_bench.sh "<python3 -m bench attention arguments>" m c c m
 #   e.g. scripts/experiments/ab_bench.sh "--d 128 --t 4k,16k --reps 7" m c c m
-# Prints a table last: one row per cell, the mean TFLOP/s of each variant over its rounds, and
-# each round's number. The log (and the table so far, ab_table.md) go to $OUT when set.
+#   AB_SUITE=based scripts/experiments/ab_bench.sh "--t 2k,8k --no-decode" m c c m
+# Prints a table last: one row per cell, the mean TFLOP/s (attention) or Mtoken/s (based) of
+# each variant over its rounds, and each round's number. The log (and the table so far, ab_table.md) go to $OUT when set.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BENCH_ARGS="$1"
@@ -30,17 +31,18 @@ summarize() {
 import glob, json, os, sys
 work, order = sys.argv[1], sys.argv[2:]
 variants = list(dict.fromkeys(order))
-cells = {}  # (pass, d, causal, t) -> variant -> [tflops per round]
+cells = {}  # the cell's config, as text -> variant -> [speed per round]
 for round_, variant in enumerate(order, 1):
     for path in glob.glob(os.path.join(work, f"r{round_}-{variant}", "*.json")):
         for o in json.load(open(path)).get("results", []):
-            if o.get("status") == "ok" and "tflops" in o.get("metrics", {}):
-                c = o["config"]
-                key = (c["pass"], c["d"], "causal" if c["causal"] else "full", c["t"])
-                cells.setdefault(key, {}).setdefault(variant, []).append(o["metrics"]["tflops"])
+            metrics = o.get("metrics", {})
+            speed = metrics.get("tflops", metrics.get("mtokens_per_s"))
+            if o.get("status") == "ok" and speed is not None:
+                key = " ".join(f"{k}={v}" for k, v in sorted(o["config"].items()))
+                cells.setdefault(key, {}).setdefault(variant, []).append(speed)
 base = variants[0]
-print("| pass | D | mask | T | " + " | ".join(variants) + " | rounds |")
-print("|---" * (5 + len(variants)) + "|")
+print("| cell | " + " | ".join(variants) + " | rounds |")
+print("|---" * (2 + len(variants)) + "|")
 for key in sorted(cells):
     row = cells[key]
     means = {v: sum(row[v]) / len(row[v]) for v in variants if row.get(v)}
@@ -53,7 +55,7 @@ for key in sorted(cells):
         else:
             shown.append(f"{means[v]:.0f} ({100 * (means[v] / means[base] - 1):+.1f}%)")
     rounds = " ".join(f"{v}:" + "/".join(f"{x:.0f}" for x in row.get(v, [])) for v in variants)
-    print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(shown) + f" | {rounds} |")
+    print(f"| {key} | " + " | ".join(shown) + f" | {rounds} |")
 EOF
 }
 
@@ -95,7 +97,7 @@ EOF
     continue
   fi
   echo "round $round ($variant): built in $(($(date +%s) - start)) s" | tee -a "$LOG"
-  python3 -m bench attention $BENCH_ARGS --contenders tk --no-plot \
+  python3 -m bench "${AB_SUITE:-attention}" $BENCH_ARGS --contenders tk --no-plot \
     --out "$WORK/r$round-$variant" >>"$LOG" 2>&1 || echo "round $round ($variant): bench exit $?" | tee -a "$LOG"
   summarize "${@:1:$round}" >"$(dirname "$LOG")/ab_table.md"
 done
