@@ -12,8 +12,6 @@ from pathlib import Path
 import jax
 import pytest
 
-import tk_jax
-
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -35,12 +33,6 @@ def test_readme_has_the_snippets():
 @pytest.mark.parametrize("line, code", BLOCKS, ids=[f"line{line}" for line, _ in BLOCKS])
 def test_readme_snippet_runs(line, code, route, request):
     assert jax.device_count() == 8  # the multi-device snippets assume the suite's 8 devices
-    # Until the ring attention module split lands on this branch (tk_jax.to_load_balanced /
-    # from_load_balanced at the top level); delete this skip then.
-    missing = [name for name in ("to_load_balanced", "from_load_balanced")
-               if f"tk_jax.{name}" in code and not hasattr(tk_jax, name)]
-    if missing:
-        pytest.skip(f"tk_jax has no {', '.join(missing)} yet")
     if route == "kernel":
         request.getfixturevalue("kernel_path")
     exec(compile(code, f"{README}:{line}", "exec"), {"__name__": "readme_snippet"})
