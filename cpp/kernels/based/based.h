@@ -16,7 +16,7 @@ namespace tk::based {
 enum class DType { bf16, fp16 };
 
 constexpr int FEATURE_DIM = 16;   // q and k have 16 features in Based
-constexpr int NUM_FEATURES = 273; // 1 + 16 + 16 * 16 Taylor features
+constexpr int NUM_FEATURES = 1 + FEATURE_DIM + FEATURE_DIM * FEATURE_DIM;  // 273 Taylor features
 constexpr int CHUNK = 64;         // tokens per step of the kernels' sweep over the sequence
 constexpr int V_BLOCK = 64;       // value columns per thread block (dq/dk come in partial sums per block)
 
