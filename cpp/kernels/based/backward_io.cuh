@@ -17,31 +17,25 @@ struct backward_chunks {
   sv_fl<CHUNK> inv_den[2], dden[2];
 };
 
-// The global tensors a backward block reads, as views of its (batch, head) and value columns.
+// The global tensors a backward block streams: q, k and this block's V_BLOCK columns of v
+// and dy.
 template <typename T>
 struct backward_views {
-  gl<T> q, k, v, dy;   // v, dy: this block's V_BLOCK columns
-  const float* inv_den;  // [seq] of this head
-  const float* dden;
-  int seq;
+  gl<T> q, k, v, dy;
 };
-template <typename T>
-__device__ __forceinline__ backward_views<T> backward_views_of(const BackwardParams& p, int64_t head, int v0) {
-  return {feature_view<T>(p.q, p), feature_view<T>(p.k, p), value_view<T>(p.v, p, v0, V_BLOCK),
-          value_view<T>(p.dy, p, v0, V_BLOCK), p.inv_den + head * p.seq, p.dden + head * p.seq, p.seq};
-}
 
-// Start loading the chunk at token t0 into `stage` (rows past the sequence become zeros, so
-// they contribute nothing).
+// Start loading the chunk at token t0 of (b, h) into `stage`, with the rows' 1/den and dden
+// (rows past the sequence become zeros, so they contribute nothing).
 template <typename T>
-__device__ __forceinline__ void load_chunk_async(backward_chunks<T>& s, const backward_views<T>& g, int b, int h,
-                                                 int stage, int t0) {
+__device__ __forceinline__ void load_chunk_async(backward_chunks<T>& s, const backward_views<T>& g,
+                                                 const BackwardParams& p, int b, int h, int stage, int t0) {
+  const int64_t row0 = (int64_t(b) * p.heads + h) * p.seq + t0;
   load_async<STATE_THREADS>(s.q[stage], g.q, {b, h, t0});
   load_async<STATE_THREADS>(s.k[stage], g.k, {b, h, t0});
   load_async<STATE_THREADS>(s.v[stage], g.v, {b, h, t0});
   load_async<STATE_THREADS>(s.dy[stage], g.dy, {b, h, t0});
-  load_async<STATE_THREADS>(s.inv_den[stage], g.inv_den + t0, g.seq - t0);
-  load_async<STATE_THREADS>(s.dden[stage], g.dden + t0, g.seq - t0);
+  load_async<STATE_THREADS>(s.inv_den[stage], p.inv_den + row0, p.seq - t0);
+  load_async<STATE_THREADS>(s.dden[stage], p.dden + row0, p.seq - t0);
   cp_async_commit();
 }
 

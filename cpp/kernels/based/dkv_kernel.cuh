@@ -57,16 +57,17 @@ __device__ __forceinline__ rt_bf<16, 16, layout::col> rows_scaled(const rt<T, 16
 template <typename T>
 __device__ __forceinline__ void add_state_terms(rt_fl<16, 16> (&dv)[ROW_TILES], rt_fl<16, 16> (&dk)[ROW_TILES],
                                                 const backward_chunks<T>& s, int stage,
-                                                const rt_fl<16, 16> (&state)[OWN_TILES], const state_warp& w) {
+                                                const rt_fl<16, 16> (&state)[OWN_TILES], const state_warp& w,
+                                                const int (&row_tile)[ROW_TILES]) {
   // K and V tiles are reloaded per use (ldmatrix is cheap; registers are not).
   const auto k_tile = [&](int i) {
     rt<T, 16, 16> x;
-    load(x, s.k[stage], 16 * w.row_tile[i], 0);
+    load(x, s.k[stage], 16 * row_tile[i], 0);
     return x;
   };
   const auto v_tile = [&](int i) {
     rt<T, 16, 16> x;
-    load(x, s.v[stage], 16 * w.row_tile[i], w.c0);
+    load(x, s.v[stage], 16 * row_tile[i], w.c0);
     return x;
   };
 #pragma unroll
@@ -113,16 +114,27 @@ __device__ __forceinline__ void add_state_terms(rt_fl<16, 16> (&dv)[ROW_TILES], 
   for (int i = 0; i < ROW_TILES; i++) mul(dk[i], 2.f);
 }
 
+// 2. The column of ones, dk_j += J_phi(k_j)^T r: one of its two parts (vector_state::
+// gradient_part) per warp, row tile cg, part fh, into shared memory.
+template <typename T>
+__device__ __forceinline__ void put_ones_column_term(dkv_shared<T>& s, int stage, const vector_state& r,
+                                                     const state_warp& w) {
+  rt<T, 16, 16> k;
+  load(k, s.k[stage], 16 * w.cg, 0);
+  store_fragments(s.vector_parts[w.fh][w.cg], r.gradient_part(k, w.fh));
+}
+
 // 3. Inside the chunk, for this warp's two key tiles m and the query tiles qt >= m:
 //    x = k . q, A^T = 1 + x/4 + x^2/32 and (1 + s) / 4 = 1/4 + x/16 on t >= j; dv += A^T dnum,
 //    dk += ds^T Q. Only the diagonal tile and a tail need masks.
 template <typename T>
 __device__ __forceinline__ void add_intra_chunk_terms(rt_fl<16, 16> (&dv)[ROW_TILES], rt_fl<16, 16> (&dk)[ROW_TILES],
                                                       const backward_chunks<T>& s, int stage, const state_warp& w,
+                                                      const int (&row_tile)[ROW_TILES],
                                                       bool ones_column, int real_tokens) {
 #pragma unroll
   for (int i = 0; i < 2; i++) {
-    const int m = w.row_tile[i];
+    const int m = row_tile[i];
     rt<T, 16, 16> k, v;
     load(k, s.k[stage], 16 * m, 0);
     load(v, s.v[stage], 16 * m, w.c0);
@@ -176,14 +188,14 @@ __device__ __forceinline__ void add_intra_chunk_terms(rt_fl<16, 16> (&dv)[ROW_TI
 // 4. dv of this warp's two key tiles: add the other half's partial, store.
 template <typename T>
 __device__ __forceinline__ void finish_dv(rt_fl<16, 16> (&dv)[ROW_TILES], const dkv_shared<T>& s, const gl<T>& DV,
-                                          const state_warp& w, int b, int h, int t0) {
+                                          const state_warp& w, const int (&row_tile)[ROW_TILES], int b, int h, int t0) {
   const int partner = w.warp ^ 4;
 #pragma unroll
   for (int i = 0; i < 2; i++) {
     rt_fl<16, 16> other_half;
     load_fragments(other_half, s.dv_partial[partner][i]);
     add(dv[i], other_half);
-    store(DV, dv[i], {b, h, t0 + 16 * w.row_tile[i]});
+    store(DV, dv[i], {b, h, t0 + 16 * row_tile[i]});
   }
 }
 
@@ -245,19 +257,23 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_cons
   const int v_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int64_t head = int64_t(b) * p.heads + h;
   const state_warp w = this_state_warp();
+  int row_tile[ROW_TILES];  // the chunk's key tiles in this warp's order
+  row_tiles_of_half(row_tile, w.fh);
   const int v0 = v_block * V_BLOCK;
   const bool ones_column = v_block == 0;
-  const backward_views<T> g = backward_views_of<T>(p, head, v0);
-  const gl<T> DV = value_view<T>(p.dv, p, v0 + w.c0, 16);
-  const float* d_state = p.d_state + head * NUM_FEATURES * p.value_dim + v0 + w.c0;
+  const gl<T> Q = feature_view<T>(p.q, p), K = feature_view<T>(p.k, p);
+  const value_layout values = value_layout_of(p);
+  const gl<T> V = values.columns<T>(p.v, v0, V_BLOCK), DY = values.columns<T>(p.dy, v0, V_BLOCK);
+  const gl<T> DV = values.columns<T>(p.dv, v0 + w.c0, 16);  // this warp's columns
+  const int64_t state_offset = head * NUM_FEATURES * p.value_dim + v0 + w.c0;  // of this warp's columns
 
   rt_fl<16, 16> state[OWN_TILES];   // R_f from dS, the second order symmetrised, in the scale the tiles keep
-  vector_state r;                   // the column of ones of R': r = dz + sum_{t >= j} phi(q_t) dden_t (ones_column blocks)
+  vector_state r;                   // the column of ones of R', dz + sum_{t >= j} phi(q_t) dden_t (ones_column)
   rt_fl<16, 16> dv[ROW_TILES], dk[ROW_TILES];  // for the chunk's key tiles, in this warp's order
 
   const int num_chunks = (p.seq + CHUNK - 1) / CHUNK;
-  load_chunk_async(s, g, b, h, 0, (num_chunks - 1) * CHUNK);
-  load_symmetrised_state(state, d_state, p.value_dim, w.fh);
+  load_chunk_async(s, {Q, K, V, DY}, p, b, h, 0, (num_chunks - 1) * CHUNK);
+  load_symmetrised_state(state, p.d_state + state_offset, p.value_dim, w.fh);
   if (ones_column) r.load(p.d_z + head * NUM_FEATURES, true);
 
   for (int step = 0; step < num_chunks; step++) {
@@ -266,31 +282,26 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dkv_kernel(const __grid_cons
     const int real_tokens = min(CHUNK, p.seq - t0);
     cp_async_wait<0>();
     __syncthreads();  // the chunk is visible to all, and every warp is done with the last one
-    if (chunk > 0) load_chunk_async(s, g, b, h, stage ^ 1, t0 - CHUNK);
+    if (chunk > 0) load_chunk_async(s, {Q, K, V, DY}, p, b, h, stage ^ 1, t0 - CHUNK);
 
 #pragma unroll
     for (int i = 0; i < ROW_TILES; i++) zero(dv[i]), zero(dk[i]);
-    dkv_step::add_state_terms(dv, dk, s, stage, state, w);
+    dkv_step::add_state_terms(dv, dk, s, stage, state, w, row_tile);
 #pragma unroll
     for (int i = 2; i < ROW_TILES; i++) store_fragments(s.dv_partial[w.warp][i - 2], dv[i]);  // the partner's rows
-    if (ones_column) {  // 2. the column of ones: dk_j += J_phi(k_j)^T r, part fh of row tile cg
-      rt<T, 16, 16> k;
-      load(k, s.k[stage], 16 * w.cg, 0);
-      store_fragments(s.vector_parts[w.fh][w.cg], r.gradient_part(k, w.fh));
-    }
-    dkv_step::add_intra_chunk_terms(dv, dk, s, stage, w, ones_column, real_tokens);
+    if (ones_column) dkv_step::put_ones_column_term(s, stage, r, w);
+    dkv_step::add_intra_chunk_terms(dv, dk, s, stage, w, row_tile, ones_column, real_tokens);
 #pragma unroll
-    for (int i = 0; i < ROW_TILES; i++) store_fragments(s.parts[w.warp][w.row_tile[i]], dk[i]);
+    for (int i = 0; i < ROW_TILES; i++) store_fragments(s.parts[w.warp][row_tile[i]], dk[i]);
     __syncthreads();  // dk parts, the r term and dv partials are in shared memory; r was read
 
-    dkv_step::finish_dv(dv, s, DV, w, b, h, t0);
+    dkv_step::finish_dv(dv, s, DV, w, row_tile, b, h, t0);
     // 5. dk of the chunk: the parts summed, to this column block's slice of dk_parts.
     store_summed_parts(p.dk_parts, s.parts, s.vector_parts, ones_column, p, b, h, v_block, t0);
     dkv_step::fold_chunk(state, r, s, stage, w, ones_column);
   }
 
-  dkv_step::store_d_state0(p.d_state0 + head * NUM_FEATURES * p.value_dim + v0 + w.c0, d_state, state, p.value_dim,
-                           w.fh);
+  dkv_step::store_d_state0(p.d_state0 + state_offset, p.d_state + state_offset, state, p.value_dim, w.fh);
   if (ones_column && w.warp == 0) r.store(p.d_z0 + head * NUM_FEATURES, p.d_z + head * NUM_FEATURES);
 }
 

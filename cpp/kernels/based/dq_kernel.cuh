@@ -42,12 +42,13 @@ namespace dq_step {
 // dy P_lin^T / 8) over this warp's feature tiles (the constant tile has no gradient).
 template <typename T>
 __device__ __forceinline__ void add_state_term(rt_fl<16, 16> (&acc)[ROW_TILES], const backward_chunks<T>& s, int stage,
-                                               const rt_fl<16, 16> (&state)[OWN_TILES], const state_warp& w) {
+                                               const rt_fl<16, 16> (&state)[OWN_TILES], const state_warp& w,
+                                               const int (&row_tile)[ROW_TILES]) {
   rt<T, 16, 16> q[ROW_TILES], dy[ROW_TILES];
 #pragma unroll
   for (int i = 0; i < ROW_TILES; i++) {
-    load(q[i], s.q[stage], 16 * w.row_tile[i], 0);
-    load(dy[i], s.dy[stage], 16 * w.row_tile[i], w.c0);
+    load(q[i], s.q[stage], 16 * row_tile[i], 0);
+    load(dy[i], s.dy[stage], 16 * row_tile[i], w.c0);
   }
 #pragma unroll
   for (int j = 0; j < SECOND_ORDER_OWN / 2; j++) {  // second-order tiles in pairs (one shuffle serves both)
@@ -72,7 +73,7 @@ __device__ __forceinline__ void add_state_term(rt_fl<16, 16> (&acc)[ROW_TILES], 
 #pragma unroll
   for (int i = 0; i < ROW_TILES; i++) {
     row_vec<16> scale;
-    load(scale, s.inv_den[stage].data + 16 * w.row_tile[i]);
+    load(scale, s.inv_den[stage].data + 16 * row_tile[i]);
     map(scale, [](float x) { return 2.f * x; });
     mul_row(acc[i], scale);
   }
@@ -98,11 +99,12 @@ __device__ __forceinline__ void put_normaliser_term(dq_shared<T>& s, int stage, 
 // masks.
 template <typename T>
 __device__ __forceinline__ void add_intra_chunk_term(rt_fl<16, 16> (&acc)[ROW_TILES], const backward_chunks<T>& s,
-                                                     int stage, const state_warp& w, bool ones_column,
+                                                     int stage, const state_warp& w, const int (&row_tile)[ROW_TILES],
+                                                     bool ones_column,
                                                      int real_tokens) {
 #pragma unroll
   for (int i = 0; i < 2; i++) {
-    const int m = w.row_tile[i];
+    const int m = row_tile[i];
     rt<T, 16, 16> q, dy;
     load(q, s.q[stage], 16 * m, 0);
     load(dy, s.dy[stage], 16 * m, w.c0);
@@ -173,15 +175,19 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_const
   const int v_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int64_t head = int64_t(b) * p.heads + h;
   const state_warp w = this_state_warp();
+  int row_tile[ROW_TILES];  // the chunk's row tiles in this warp's order
+  row_tiles_of_half(row_tile, w.fh);
   const int v0 = v_block * V_BLOCK;
   const bool ones_column = v_block == 0;  // this block also handles the column of v' that is 1
-  const backward_views<T> g = backward_views_of<T>(p, head, v0);
+  const gl<T> Q = feature_view<T>(p.q, p), K = feature_view<T>(p.k, p);
+  const value_layout values = value_layout_of(p);
+  const gl<T> V = values.columns<T>(p.v, v0, V_BLOCK), DY = values.columns<T>(p.dy, v0, V_BLOCK);
 
   rt_fl<16, 16> state[OWN_TILES];  // S_f, symmetrised, in the scale the tiles keep
   vector_state z;                  // the normaliser's state column, symmetrised like S0 (ones_column blocks)
   rt_fl<16, 16> acc[ROW_TILES];    // this warp's part of dq for the chunk's row tiles, in its order
 
-  load_chunk_async(s, g, b, h, 0, 0);
+  load_chunk_async(s, {Q, K, V, DY}, p, b, h, 0, 0);
   load_symmetrised_state(state, p.state0 + head * NUM_FEATURES * p.value_dim + v0 + w.c0, p.value_dim, w.fh);
   if (ones_column) z.load(p.z0 + head * NUM_FEATURES, true);
 
@@ -191,15 +197,15 @@ __global__ void __launch_bounds__(STATE_THREADS, 1) dq_kernel(const __grid_const
     const int real_tokens = min(CHUNK, p.seq - t0);
     cp_async_wait<0>();
     __syncthreads();  // the chunk is visible to all, and every warp is done with the last one
-    if (chunk + 1 < num_chunks) load_chunk_async(s, g, b, h, stage ^ 1, t0 + CHUNK);
+    if (chunk + 1 < num_chunks) load_chunk_async(s, {Q, K, V, DY}, p, b, h, stage ^ 1, t0 + CHUNK);
 
 #pragma unroll
     for (int i = 0; i < ROW_TILES; i++) zero(acc[i]);
-    dq_step::add_state_term(acc, s, stage, state, w);
+    dq_step::add_state_term(acc, s, stage, state, w, row_tile);
     if (ones_column) dq_step::put_normaliser_term(s, stage, z, w);
-    dq_step::add_intra_chunk_term(acc, s, stage, w, ones_column, real_tokens);
+    dq_step::add_intra_chunk_term(acc, s, stage, w, row_tile, ones_column, real_tokens);
 #pragma unroll
-    for (int i = 0; i < ROW_TILES; i++) store_fragments(s.parts[w.warp][w.row_tile[i]], acc[i]);
+    for (int i = 0; i < ROW_TILES; i++) store_fragments(s.parts[w.warp][row_tile[i]], acc[i]);
     __syncthreads();  // every part is in shared memory
 
     // 4. dq of the chunk: the parts summed, to this column block's [B, T, H, Dv/64, 16] slice.

@@ -50,10 +50,10 @@ struct forward_shared {
 
 namespace fwd_step {
 
-// The global tensors of one block: its (batch, head), its value columns, this warp's 16 of them.
+// The global tensors the forward streams: q, k and this block's V_BLOCK columns of v.
 template <typename T>
 struct forward_views {
-  gl<T> q, k, v, y;
+  gl<T> q, k, v;
 };
 
 template <typename T>
@@ -120,10 +120,11 @@ __device__ __forceinline__ void add_state_term(rt_fl<16, 16> (&y)[ROW_TILES], co
 // 1. Part cg >> 1 of phi(q) . z for this warp's finished row tile cg & 1, into den_state.
 template <typename T>
 __device__ __forceinline__ void put_normaliser_state_term(forward_shared<T>& s, const vector_state& z,
-                                                          const rt<T, 16, 16> (&q)[ROW_TILES], const state_warp& w) {
+                                                          const rt<T, 16, 16> (&q)[ROW_TILES], const state_warp& w,
+                                                          const int (&row_tile)[ROW_TILES]) {
   rt<T, 16, 16> q_tile;
   select(q_tile, w.cg & 1, q[1], q[0]);
-  const int part = w.cg >> 1, row0 = 16 * ((w.cg & 1) ? w.row_tile[1] : w.row_tile[0]);
+  const int part = w.cg >> 1, row0 = 16 * ((w.cg & 1) ? row_tile[1] : row_tile[0]);
   store(s.den_state[part] + row0, z.normaliser_part(q_tile, part));
 }
 
@@ -136,10 +137,11 @@ __device__ __forceinline__ void add_intra_chunk_term(rt_fl<16, 16> (&y)[ROW_TILE
                                                      const rt<T, 16, 16> (&q)[ROW_TILES],
                                                      const rt<T, 16, 16, layout::col> (&v_c)[ROW_TILES],
                                                      const st<T, CHUNK, FEATURE_DIM>& k_chunk, const state_warp& w,
+                                                     const int (&row_tile)[ROW_TILES],
                                                      int real_tokens) {
 #pragma unroll
   for (int i = 0; i < 2; i++) {
-    const int m = w.row_tile[i];
+    const int m = row_tile[i];
     map(den[i], [](float) { return 0.f; });
 #pragma unroll
     for (int kt = 0; kt < ROW_TILES; kt++)
@@ -168,13 +170,14 @@ __device__ __forceinline__ void add_intra_chunk_term(rt_fl<16, 16> (&y)[ROW_TILE
 // then y to global memory (and den, the backward's residual, once per row).
 template <typename T>
 __device__ __forceinline__ void finish_rows(rt_fl<16, 16> (&y)[ROW_TILES], row_vec<16> (&den)[2],
-                                            const forward_shared<T>& s, const forward_views<T>& g,
-                                            const ForwardParams& p, const state_warp& w, int v_block, int b, int h,
+                                            const forward_shared<T>& s, const gl<T>& Y,
+                                            const ForwardParams& p, const state_warp& w,
+                                            const int (&row_tile)[ROW_TILES], int v_block, int b, int h,
                                             int t0) {
   const int partner = w.warp ^ 4;  // same columns, other feature half
 #pragma unroll
   for (int i = 0; i < 2; i++) {
-    const int row0 = 16 * w.row_tile[i];
+    const int row0 = 16 * row_tile[i];
     rt_fl<16, 16> other_half;
     load_fragments(other_half, s.partial[partner][i]);
     add(y[i], other_half);
@@ -190,7 +193,7 @@ __device__ __forceinline__ void finish_rows(rt_fl<16, 16> (&y)[ROW_TILES], row_v
       map(den[i], [=](float d) { return 1.f / (d + eps); });
       mul_row(y[i], den[i]);
     }
-    store(g.y, y[i], {b, h, t0 + row0});
+    store(Y, y[i], {b, h, t0 + row0});
   }
 }
 
@@ -222,9 +225,13 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
   const int v_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int64_t head = int64_t(b) * p.heads + h;
   const state_warp w = this_state_warp();
+  int row_tile[ROW_TILES];  // the chunk's row tiles in this warp's order
+  row_tiles_of_half(row_tile, w.fh);
   const int v0 = v_block * V_BLOCK;  // this block's first value column
-  const fwd_step::forward_views<T> g{feature_view<T>(p.q, p), feature_view<T>(p.k, p), value_view<T>(p.v, p, v0, V_BLOCK),
-                           value_view<T>(p.y, p, v0 + w.c0, 16)};
+  const gl<T> Q = feature_view<T>(p.q, p), K = feature_view<T>(p.k, p);
+  const value_layout values = value_layout_of(p);
+  const gl<T> V = values.columns<T>(p.v, v0, V_BLOCK);
+  const gl<T> Y = values.columns<T>(p.y, v0 + w.c0, 16);  // this warp's columns
 
   rt_fl<16, 16> state[OWN_TILES];  // S_f^T of this warp's tiles
   vector_state z;                  // the normaliser's state, a copy per warp
@@ -233,7 +240,7 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
   rt_fl<16, 16> y[ROW_TILES];
   row_vec<16> den[2];              // of the two row tiles this warp finishes
 
-  fwd_step::load_chunk_async(s, g, b, h, 0, 0);
+  fwd_step::load_chunk_async(s, {Q, K, V}, b, h, 0, 0);
   fwd_step::load_state_transposed(state, p.state0 + head * NUM_FEATURES * p.value_dim + v0 + w.c0, p.value_dim, w.fh);
   z.load(p.z0 + head * NUM_FEATURES);
 
@@ -242,24 +249,24 @@ __global__ void __launch_bounds__(FWD_THREADS, 1) forward_kernel(const __grid_co
     const int stage = chunk & 1, t0 = chunk * CHUNK;
     const int real_tokens = min(CHUNK, p.seq - t0);
     cp_async_wait<0>();
-    __syncthreads();  // the chunk is visible to all, and every warp is done with the last one
-    if (chunk + 1 < num_chunks) fwd_step::load_chunk_async(s, g, b, h, stage ^ 1, t0 + CHUNK);  // into the last chunk's stage
+    __syncthreads();  // the chunk is visible to all, and every warp is done with stage ^ 1
+    if (chunk + 1 < num_chunks) fwd_step::load_chunk_async(s, {Q, K, V}, b, h, stage ^ 1, t0 + CHUNK);
 
 #pragma unroll
     for (int i = 0; i < ROW_TILES; i++) {
-      load(q[i], s.q[stage], 16 * w.row_tile[i], 0);
+      load(q[i], s.q[stage], 16 * row_tile[i], 0);
       zero(y[i]);
     }
     fwd_step::add_state_term(y, q, state, w.fh);
 #pragma unroll
     for (int i = 2; i < ROW_TILES; i++) store_fragments(s.partial[w.warp][i - 2], y[i]);  // the partner's rows
-    fwd_step::put_normaliser_state_term(s, z, q, w);
+    fwd_step::put_normaliser_state_term(s, z, q, w, row_tile);
 
 #pragma unroll
     for (int kt = 0; kt < ROW_TILES; kt++) load(v_c[kt], s.v[stage], 16 * kt, w.c0);
-    fwd_step::add_intra_chunk_term(y, den, q, v_c, s.k[stage], w, real_tokens);
+    fwd_step::add_intra_chunk_term(y, den, q, v_c, s.k[stage], w, row_tile, real_tokens);
     __syncthreads();  // partials and phi(q) . z are in shared memory
-    fwd_step::finish_rows(y, den, s, g, p, w, v_block, b, h, t0);
+    fwd_step::finish_rows(y, den, s, Y, p, w, row_tile, v_block, b, h, t0);
 
     fwd_step::fold_chunk(state, z, v_c, s.k[stage], w.fh, real_tokens);
   }

@@ -43,24 +43,24 @@ __device__ __forceinline__ int external_feature(int own, int fh, int b) {
                                 : (b == 0 ? CONSTANT_FEATURE : -1);
 }
 
-// This warp's place in the block, and the order in which it treats the chunk's 4 row tiles:
-// first the two it completes (the intra-chunk term costs in proportion to a tile's index, so
-// each half takes one early and one late tile: fh = 0 tiles 0 and 3, fh = 1 tiles 1 and 2),
-// then the other two.
+// This warp's place in the block.
 struct state_warp {
   int warp, cg, fh;
-  int c0;                     // first value column inside the block's 64
-  int row_tile[ROW_TILES];
+  int c0;  // first value column inside the block's 64
 };
 __device__ __forceinline__ state_warp this_state_warp() {
-  state_warp w;
-  w.warp = warpid();
-  w.cg = w.warp % 4;
-  w.fh = w.warp / 4;
-  w.c0 = 16 * w.cg;
+  const int warp = warpid();
+  return {warp, warp % 4, warp / 4, 16 * (warp % 4)};
+}
+
+// The order in which a warp of feature half fh treats the chunk's 4 row tiles: first the two it
+// completes (the intra-chunk term costs in proportion to a tile's index, so each half takes
+// one early and one late tile: fh = 0 tiles 0 and 3, fh = 1 tiles 1 and 2), then the other two.
+// (An array of its own, not a member of state_warp: the compiler keeps it in registers only
+// once the loops over it are unrolled, and would hold the whole struct in memory till then.)
+__device__ __forceinline__ void row_tiles_of_half(int (&row_tile)[ROW_TILES], int fh) {
 #pragma unroll
-  for (int i = 0; i < ROW_TILES; i++) w.row_tile[i] = (w.fh == 0 ? 0x2130 : 0x3021) >> (4 * i) & 0xF;
-  return w;
+  for (int i = 0; i < ROW_TILES; i++) row_tile[i] = (fh == 0 ? 0x2130 : 0x3021) >> (4 * i) & 0xF;
 }
 
 // A state tile as a bf16 B operand: an accumulator of X, scaled and rounded, is the col-layout
@@ -74,16 +74,25 @@ __device__ __forceinline__ rt_bf<16, 16, layout::col> state_operand(const rt_fl<
   return as_transpose(rounded);
 }
 
-// Global views: q or k [batch, seq, heads, 16], and `Cols` columns from `col0` on of a
-// [batch, seq, heads, value_dim] tensor (v, y, dy, dv). P: ForwardParams or BackwardParams.
+// Global views: q or k [batch, seq, heads, 16], and blocks of columns of the [batch, seq, heads,
+// value_dim] tensors (v, y, dy, dv), which share one layout. P: ForwardParams or BackwardParams.
 template <typename T, typename P>
 __device__ __forceinline__ gl<T> feature_view(const void* x, const P& p) {
   return gl<T>::contiguous((T*)x, p.batch, p.seq, p.heads, FEATURE_DIM);
 }
-template <typename T, typename P>
-__device__ __forceinline__ gl<T> value_view(const void* x, const P& p, int col0, int cols) {
-  const int64_t seq_stride = int64_t(p.heads) * p.value_dim, batch_stride = int64_t(p.seq) * seq_stride;
-  return gl<T>{(T*)x + col0, p.batch, p.seq, p.heads, cols, batch_stride, seq_stride, p.value_dim};
+struct value_layout {
+  int batch, seq, heads, value_dim;
+  int64_t seq_stride, batch_stride;
+  // Columns [col0, col0 + cols) of x.
+  template <typename T>
+  __device__ __forceinline__ gl<T> columns(const void* x, int col0, int cols) const {
+    return gl<T>{(T*)x + col0, batch, seq, heads, cols, batch_stride, seq_stride, value_dim};
+  }
+};
+template <typename P>
+__device__ __forceinline__ value_layout value_layout_of(const P& p) {
+  const int64_t seq_stride = int64_t(p.heads) * p.value_dim;
+  return {p.batch, p.seq, p.heads, p.value_dim, seq_stride, int64_t(p.seq) * seq_stride};
 }
 
 }  // namespace tk::based

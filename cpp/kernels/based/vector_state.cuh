@@ -33,8 +33,8 @@ struct vector_state {
 #pragma unroll
     for (int h = 0; h < 2; h++) {  // z0's first order is at odd offsets: no float2 loads
       const int b = col_vec_col(0, h);
-      keysum.data[0][h] =
-          make_float2(z0[first_order_feature(b)] / FIRST_ORDER_SCALE, z0[first_order_feature(b + 1)] / FIRST_ORDER_SCALE);
+      keysum.data[0][h] = make_float2(z0[first_order_feature(b)] / FIRST_ORDER_SCALE,
+                                      z0[first_order_feature(b + 1)] / FIRST_ORDER_SCALE);
     }
     count = z0[CONSTANT_FEATURE];
   }

@@ -90,7 +90,8 @@ __device__ __forceinline__ void select(rt<T, R, C, L>& dst, bool pick_a, const r
 #pragma unroll
     for (int j = 0; j < dst.width; j++)
 #pragma unroll
-      for (int k = 0; k < 4; k++) dst.tiles[i][j].data[k] = select_pair(pick_a, a.tiles[i][j].data[k], b.tiles[i][j].data[k]);
+      for (int k = 0; k < 4; k++)
+        dst.tiles[i][j].data[k] = select_pair(pick_a, a.tiles[i][j].data[k], b.tiles[i][j].data[k]);
 }
 
 // Row reductions: v[row] = reduce over the row's columns (combined with v's old value when
