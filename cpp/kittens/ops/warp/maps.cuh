@@ -247,6 +247,8 @@ __device__ __forceinline__ void map_cols(rt_fl<R, C>& t, const col_vec<C>& v, co
 //   Col layout (x [K x N] as mma's B operand): lane (g, c) holds rows k = 2c, 2c + 1 (+ 8) and
 //   needs y[k][col] of those rows: the pairs of registers 0, 2 (col < 8) or 1, 3 of lane
 //   (col % 8, c), which hold the same rows.
+// The register half is chosen by col >> 3, which for col = 8 h + (a constant below 8) the
+// compiler reduces to h, so that callers looping over columns of one run-time half share it.
 template <typename U, typename T, int R, int C>
 __device__ __forceinline__ void mul_by_column(rt<U, R, C>& dst, const rt<T, R, C>& x, const rt<T, R, TILE_DIM>& y,
                                               int col) {
