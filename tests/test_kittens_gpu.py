@@ -142,3 +142,90 @@ def test_cluster_mailbox(kernels, rng):
     out = _call("tk_test_mailbox", jax.ShapeDtypeStruct((2, 64, 64), jnp.float32), jnp.asarray(x))
     x64 = x.astype(np.float64)
     np.testing.assert_allclose(np.asarray(out), x64 + 3 * x64[::-1] + 3, rtol=1e-6, atol=1e-5)
+
+
+def test_swap_layout_and_free_transpose(kernels, rng):
+    """A tile changed to col layout in registers (swap_layout, movmatrix) and one loaded in col
+    layout both read as x^T through as_transpose; swapping twice gives x back."""
+    x = rng.standard_normal((64, 64)).astype(jnp.bfloat16)
+    outs = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 3
+    via_swap, via_load, back = _call("tk_test_layouts", outs, jnp.asarray(x))
+    xf = x.astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(via_swap), xf.T)
+    np.testing.assert_array_equal(np.asarray(via_load), xf.T)
+    np.testing.assert_array_equal(np.asarray(back), xf)
+
+
+@pytest.mark.parametrize("dtype,target", [(jnp.bfloat16, "tk_test_broadcasts_bf16"),
+                                          (jnp.float16, "tk_test_broadcasts_f16")])
+def test_column_broadcasts_scalar_products_select(kernels, rng, dtype, target):
+    """Rows scaled by a column of another tile (mul_by_columns: two columns, bf16 products;
+    mul_by_column in row and col layout: products in the input type), at run-time columns in
+    either 8-column half; a 16-bit tile times 1/4; a per-register select between two tiles.
+    Every product is rounded once, so they match numpy's exact products rounded."""
+    x = rng.standard_normal((64, 64)).astype(dtype)
+    y = rng.standard_normal((64, 16)).astype(dtype)
+    pair, row, col = 10, 7, 3
+    outs = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 6
+    by_pair0, by_pair1, by_row, by_col, quarter, selected = _call(
+        target, outs, jnp.asarray(x), jnp.asarray(y), pair=np.int64(pair), row=np.int64(row), col=np.int64(col))
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+
+    def rounded(z, to):
+        return z.astype(to).astype(np.float32)
+
+    np.testing.assert_array_equal(np.asarray(by_pair0), rounded(x64 * y64[:, pair:pair + 1], jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(by_pair1), rounded(x64 * y64[:, pair + 1:pair + 2], jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(by_row), rounded(x64 * y64[:, row:row + 1], dtype))
+    np.testing.assert_array_equal(np.asarray(by_col), rounded(x64 * y64[:, col:col + 1], dtype).T)
+    np.testing.assert_array_equal(np.asarray(quarter), rounded(x64 / 4, dtype))  # fp16: may be subnormal
+    odd_warp_rows = (np.arange(64) // 16 % 2 == 1)[:, None]
+    np.testing.assert_array_equal(np.asarray(selected), np.where(odd_warp_rows, x64, 2 * x64).astype(np.float32))
+
+
+def test_row_and_column_vectors(kernels, rng):
+    """row_dot; row and column maps with two vectors (x * u + v); the sum of a column vector;
+    row vectors loaded and stored with a row bound; a shared vector loaded with a valid length
+    (4-byte cp.async, zeros past it); a tile handed to another warp in fragment order."""
+    x = rng.standard_normal((64, 64)).astype(jnp.bfloat16)
+    u = rng.standard_normal(64).astype(np.float32)
+    v = rng.standard_normal(64).astype(np.float32)
+    vec, mat = jax.ShapeDtypeStruct((64,), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    outs = [vec, mat, mat, jax.ShapeDtypeStruct((2,), jnp.float32), vec, vec, mat]
+    dots, affine_rows, affine_cols, sums, rows_out, staged, handed = _call(
+        "tk_test_vectors", outs, jnp.asarray(x), jnp.asarray(u), jnp.asarray(v))
+    x64, u64, v64 = x.astype(np.float64), u.astype(np.float64), v.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(dots), (x64 * x64 / 2).sum(1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(affine_rows), x64 * u64[:, None] + v64[:, None], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(affine_cols), x64 * u64 + v64, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(sums), [u64.sum()] * 2, rtol=1e-5, atol=1e-5)
+    assert np.asarray(sums)[0] == np.asarray(sums)[1]  # every lane has the same total
+    np.testing.assert_array_equal(np.asarray(rows_out), np.where(np.arange(64) < 50, u, 0))  # STORED_ROWS
+    np.testing.assert_array_equal(np.asarray(staged), np.where(np.arange(64) < 37, u, 0))    # VALID
+    partner_rows = x.astype(np.float32).reshape(4, 16, 64)[[1, 0, 3, 2]].reshape(64, 64)
+    np.testing.assert_array_equal(np.asarray(handed), partner_rows)
+
+
+def test_tensor_core_sums_and_split(kernels, rng):
+    """Row sums and (weighted) column sums through the tensor cores, per 16-row block for the
+    columns, weights rounded to bf16; an fp32 tile split into bf16 hi + lo (hi the rounded
+    value, lo the rounded remainder, so hi + lo is within 2^-16 of it), and the one-part split."""
+    x = rng.standard_normal((64, 64)).astype(jnp.bfloat16)
+    u = rng.standard_normal(64).astype(np.float32)
+    vec, mat = jax.ShapeDtypeStruct((64,), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    blocks = jax.ShapeDtypeStruct((4, 64), jnp.float32)
+    row_sums, col_sums, plain_sums, hi, lo, lo_part = _call(
+        "tk_test_sums", [vec, blocks, blocks, mat, mat, mat], jnp.asarray(x), jnp.asarray(u))
+    x64 = x.astype(np.float64)
+    w = u.astype(jnp.bfloat16).astype(np.float64)
+    np.testing.assert_allclose(np.asarray(row_sums), x64.sum(1), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(col_sums), (w[:, None] * x64).reshape(4, 16, 64).sum(1), rtol=1e-5,
+                               atol=1e-4)
+    np.testing.assert_allclose(np.asarray(plain_sums), x64.reshape(4, 16, 64).sum(1), rtol=1e-5, atol=1e-4)
+    scaled = x.astype(np.float32) * np.float32(3.3)
+    np.testing.assert_array_equal(np.asarray(hi), scaled.astype(jnp.bfloat16).astype(np.float32))
+    remainder = scaled - np.asarray(hi)
+    np.testing.assert_array_equal(np.asarray(lo), remainder.astype(jnp.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(lo_part), np.asarray(lo))
+    err = np.abs(np.asarray(hi, np.float64) + np.asarray(lo, np.float64) - scaled)
+    assert np.all(err <= 2.0 ** -16 * np.abs(scaled) + 1e-30)

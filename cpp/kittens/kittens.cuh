@@ -8,6 +8,7 @@
 #include "common/tma_host.cuh"
 #include "ops/block/cluster.cuh"
 #include "ops/block/memory.cuh"
+#include "ops/warp/conversions.cuh"
 #include "ops/warp/maps.cuh"
 #include "ops/warp/memory.cuh"
 #include "ops/warp/mma.cuh"

@@ -1,4 +1,5 @@
-// tk_jax._tk_tests: FFI handlers of the test-only kittens kernels (see kittens_ops.cu).
+// tk_jax._tk_tests: FFI handlers of the test-only kittens kernels (kittens_ops.cu,
+// kittens_warpgroup_ops.cu, kittens_fragment_ops.cu).
 #include <nanobind/nanobind.h>
 
 #include "xla/ffi/api/c_api.h"
@@ -16,6 +17,11 @@ XLA_FFI_Error* tk_test_ring(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_bulk_add(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_fragment_add(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_mailbox(XLA_FFI_CallFrame*);
+XLA_FFI_Error* tk_test_layouts(XLA_FFI_CallFrame*);
+XLA_FFI_Error* tk_test_broadcasts_bf16(XLA_FFI_CallFrame*);
+XLA_FFI_Error* tk_test_broadcasts_f16(XLA_FFI_CallFrame*);
+XLA_FFI_Error* tk_test_vectors(XLA_FFI_CallFrame*);
+XLA_FFI_Error* tk_test_sums(XLA_FFI_CallFrame*);
 }
 
 NB_MODULE(_tk_tests, m) {
@@ -31,6 +37,11 @@ NB_MODULE(_tk_tests, m) {
     targets["tk_test_bulk_add"] = nb::capsule(reinterpret_cast<void*>(tk_test_bulk_add));
     targets["tk_test_fragment_add"] = nb::capsule(reinterpret_cast<void*>(tk_test_fragment_add));
     targets["tk_test_mailbox"] = nb::capsule(reinterpret_cast<void*>(tk_test_mailbox));
+    targets["tk_test_layouts"] = nb::capsule(reinterpret_cast<void*>(tk_test_layouts));
+    targets["tk_test_broadcasts_bf16"] = nb::capsule(reinterpret_cast<void*>(tk_test_broadcasts_bf16));
+    targets["tk_test_broadcasts_f16"] = nb::capsule(reinterpret_cast<void*>(tk_test_broadcasts_f16));
+    targets["tk_test_vectors"] = nb::capsule(reinterpret_cast<void*>(tk_test_vectors));
+    targets["tk_test_sums"] = nb::capsule(reinterpret_cast<void*>(tk_test_sums));
     return targets;
   });
 }

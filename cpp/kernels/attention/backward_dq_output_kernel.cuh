@@ -2,8 +2,8 @@
 // (backward_workspace.cuh).
 //
 // Memory-bound: a block of four warps takes one query tile of one (batch, head). Warp w loads
-// its 16 rows of each 64-column chunk in the accumulator's fragment order (load_fragments: each
-// 16-byte load of a warp reads 512 contiguous bytes) and stores them in row order, converting
+// its 16 rows of each 64-column chunk in the accumulator's fragment order
+// (load_global_fragments: each 16-byte load of a warp reads 512 contiguous bytes) and stores them in row order, converting
 // (kittens store: 16-byte stores that fill whole 32-byte sectors); rows past seq_q are skipped.
 #pragma once
 
@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(4 * WARP_THREADS) dq_output_kernel(const __gri
   rt_fl<16, D> dq;  // this warp's 16 rows
 #pragma unroll
   for (int chunk = 0; chunk < D / 64; chunk++)  // columns 64 chunk ..: base tiles 4 chunk ..
-    load_fragments(dq.template col_slice<64>(4 * chunk), ws.dq_chunk<D>(b, h, q0, chunk) + 16 * 64 * warp);
+    load_global_fragments(dq.template col_slice<64>(4 * chunk), ws.dq_chunk<D>(b, h, q0, chunk) + 16 * 64 * warp);
   store(gl<T>::contiguous((T*)p.dq, p.batch, p.seq_q, p.heads_q, D), dq, {b, h, q0 + 16 * warp});
 }
 

@@ -6,7 +6,7 @@
 //             (store_fragments), so that a chunk is added with one contiguous bulk reduction
 //             (head_dim <= 128) or with vector reductions of whole 128-byte lines (head_dim 256),
 //             its staging stores are conflict-free, and it is read back with 512-byte loads a
-//             warp (load_fragments).
+//             warp (load_global_fragments).
 //   lse2      [batch, heads_q, seq_q_padded] float32: log2(e) lse; +inf for rows that saw no key
 //             (so that their P = 2^(c S - lse2) is 0) and on padding.
 //   delta     [batch, heads_q, seq_q_padded] float32: scale (rowsum(dO o O) - dlse); 0 on padding.

@@ -18,7 +18,7 @@ enum class DType { bf16, fp16 };
 // The kernels' conventions, defined here only: the launchers check against them, and the
 // extension hands them to Python (tk_jax._tk.based_conventions(), cpp/module.cc).
 constexpr int FEATURE_DIM = 16;   // q and k have 16 features in Based
-constexpr int NUM_FEATURES = 273; // 1 + 16 + 16 * 16 Taylor features
+constexpr int NUM_FEATURES = 1 + FEATURE_DIM + FEATURE_DIM * FEATURE_DIM;  // 273 Taylor features
 constexpr int CHUNK = 64;         // tokens per step of the kernels' sweep over the sequence
 constexpr int V_BLOCK = 64;       // value columns per thread block (dq/dk come in partial sums per block)
 constexpr int VALUE_DIMS[] = {V_BLOCK, 2 * V_BLOCK};  // v's last axis: one or two column blocks

@@ -8,7 +8,7 @@
 #pragma once
 
 #include "../../kittens/kittens.cuh"
-#include "based.h"
+#include "features.cuh"
 
 namespace tk::based {
 
@@ -16,12 +16,12 @@ using namespace kittens;
 
 constexpr int DECODE_THREADS = 256;
 
-// phi(x) in the external feature order of the state: 1, x_i / 2, x_a x_b / (4 sqrt 2).
+// Feature f of phi(x), in the external order of the state (features.cuh).
 __device__ __forceinline__ float taylor_feature(const float* x, int f) {
-  if (f == 0) return 1.f;
-  if (f <= FEATURE_DIM) return 0.5f * x[f - 1];
-  const int ab = f - 1 - FEATURE_DIM;
-  return 0.17677669529663687f * x[ab / FEATURE_DIM] * x[ab % FEATURE_DIM];
+  if (f == CONSTANT_FEATURE) return 1.f;
+  if (f < second_order_feature(0, 0)) return FIRST_ORDER_SCALE * x[f - first_order_feature(0)];
+  const int ab = f - second_order_feature(0, 0);
+  return SECOND_ORDER_SCALE * x[ab / FEATURE_DIM] * x[ab % FEATURE_DIM];
 }
 
 template <typename T, int ValueDim>

@@ -1,42 +1,35 @@
-// The Taylor feature map of Based as the kernels use it: constants, the feature order, and the
-// small helpers the forward and backward kernels share.
+// The Taylor feature map of Based: its constants, the order of its features in the state
+// (S, z) in global memory, and the padded tile layout the kernels hold them in.
 //
-// phi(x) = [1, x / 2, vec(x x^T) / (4 sqrt 2)] for x in R^16 (273 features), so that
-// phi(q) . phi(k) = 1 + s + s^2 / 2 with s = q . k / 4.
+// phi(x) = [1, x / 2, vec(x x^T) / (4 sqrt 2)] for x in R^16 (NUM_FEATURES = 273 features),
+// so that phi(q) . phi(k) = 1 + s + s^2 / 2 with s = q . k / 4.
 #pragma once
 
-#include "../../kittens/kittens.cuh"
 #include "based.h"
 
 namespace tk::based {
 
-using namespace kittens;
-
-constexpr int FEATURE_TILES = 18;                 // 273 features padded to 18 tiles of 16
-
-// The kernels' feature tiles (register_state.cuh; one formula per 16-feature tile):
-//   tiles 0..15  second order x_a x_b / (4 sqrt 2), tile a, column b  (external 17 + 16 a + b)
-//   tile 16      first order x_b / 2                                   (external 1 + b)
-//   tile 17      the constant 1 in column 0, then zero padding          (external 0)
-// The global S and z use the external order of tk_jax/reference/based.py.
 constexpr float SECOND_ORDER_SCALE = 0.17677669529663687f;  // 1 / (sqrt(2) sqrt(16))
 constexpr float FIRST_ORDER_SCALE = 0.5f;                    // 1 / 16^(1/4)
 
-// Where row (b, t, h) of value-column block v_block starts in the backward's
-// [batch, seq, heads, value_dim / 64, 16] partial sums of dq and dk.
-__device__ __forceinline__ int64_t grad_part_index(const BackwardParams& p, int b, int t, int h, int v_block) {
-  const int num_blocks = p.value_dim / 64;
-  return (((int64_t(b) * p.seq + t) * p.heads + h) * num_blocks + v_block) * FEATURE_DIM;
-}
+// The external feature order (global S [..., 273, Dv] and z [..., 273], as in
+// tk_jax/reference/based.py): the constant, then x_b / 2, then x_a x_b / (4 sqrt 2) row-major.
+constexpr int CONSTANT_FEATURE = 0;
+__host__ __device__ constexpr int first_order_feature(int b) { return 1 + b; }
+__host__ __device__ constexpr int second_order_feature(int a, int b) { return 1 + FEATURE_DIM + FEATURE_DIM * a + b; }
+static_assert(second_order_feature(FEATURE_DIM - 1, FEATURE_DIM - 1) + 1 == NUM_FEATURES, "the three orders fill phi");
 
-// phi(Q)'s constant tile: feature 272 = 1 in column 0 (lanes with c = 0, data[0] and data[1]),
-// then padding.
-__device__ __forceinline__ rt<bf16, 16, 16> constant_tile() {
-  rt<bf16, 16, 16> phi;
-  const float one = (laneid() & 3) == 0 ? 1.f : 0.f;
-#pragma unroll
-  for (int r = 0; r < 4; r++) phi.tiles[0][0].data[r] = pack<bf16>(r < 2 ? one : 0.f, 0.f);
-  return phi;
-}
+// The kernels' feature tiles: 273 features padded to 18 tiles of 16 (one formula per tile).
+//   tiles 0..15  second order: tile a holds feature (a, b) in column b
+//   tile 16      first order: feature b in column b
+//   tile 17      the constant in column 0, then zero padding
+// The tiles hold plain sums: the feature map's constants are powers of two apart
+// (phi(q) . phi(k) = 1 + q.k / 4 + (q.k)^2 / 32), so the kernels apply them exactly, where the
+// two sides of a product meet.
+constexpr int SECOND_ORDER_TILES = FEATURE_DIM;
+constexpr int FIRST_ORDER_TILE = SECOND_ORDER_TILES;
+constexpr int CONSTANT_TILE = FIRST_ORDER_TILE + 1;
+constexpr int FEATURE_TILES = CONSTANT_TILE + 1;
+static_assert(FEATURE_TILES * 16 >= NUM_FEATURES, "the tiles cover phi");
 
 }  // namespace tk::based

@@ -41,6 +41,45 @@ __device__ __forceinline__ float2 unpack(float2 x) { return x; }
 __device__ __forceinline__ float2 unpack(bf16_2 x) { return __bfloat1622float2(x); }
 __device__ __forceinline__ float2 unpack(half_2 x) { return __half22float2(x); }
 
+// A packed 16-bit pair as the 32 bits that registers, shuffles and ldmatrix move, and back.
+template <typename T2>
+__device__ __forceinline__ uint32_t& as_u32(T2& x) {
+  static_assert(sizeof(T2) == 4, "16-bit pairs only");
+  return *reinterpret_cast<uint32_t*>(&x);
+}
+template <typename T2>
+__device__ __forceinline__ uint32_t as_u32(const T2& x) {
+  static_assert(sizeof(T2) == 4, "16-bit pairs only");
+  return *reinterpret_cast<const uint32_t*>(&x);
+}
+template <typename T2>
+__device__ __forceinline__ T2 from_u32(uint32_t x) {
+  static_assert(sizeof(T2) == 4, "16-bit pairs only");
+  return *reinterpret_cast<const T2*>(&x);
+}
+// The packed pair `x` of lane `src_lane` (every lane of the warp takes part).
+template <typename T2>
+__device__ __forceinline__ T2 shfl_sync(const T2& x, int src_lane) {
+  return from_u32<T2>(__shfl_sync(0xffffffffu, as_u32(x), src_lane));
+}
+
+// c ? a : b for packed pairs, as a select of their bits (taken by value: a ternary on the pair
+// objects themselves selects between their addresses, which can keep whole register tiles in
+// local memory).
+template <typename T2>
+__device__ __forceinline__ T2 select_pair(bool c, T2 a, T2 b) {
+  return from_u32<T2>(c ? as_u32(a) : as_u32(b));
+}
+__device__ __forceinline__ float2 select_pair(bool c, const float2& a, const float2& b) {
+  return make_float2(c ? a.x : b.x, c ? a.y : b.y);
+}
+
+// (x.x, x.x) and (x.y, x.y) of a packed 16-bit pair: one factor for both elements of a pair.
+__device__ __forceinline__ bf16_2 dup_low(bf16_2 x) { return __low2bfloat162(x); }
+__device__ __forceinline__ half_2 dup_low(half_2 x) { return __low2half2(x); }
+__device__ __forceinline__ bf16_2 dup_high(bf16_2 x) { return __high2bfloat162(x); }
+__device__ __forceinline__ half_2 dup_high(half_2 x) { return __high2half2(x); }
+
 template <typename T> __device__ __forceinline__ float to_float(T x) { return static_cast<float>(x); }
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
@@ -78,6 +117,11 @@ __device__ __forceinline__ uint32_t shared_addr(const void* p) {
 // cp.async of 16 bytes; src_bytes = 0 writes zeros without reading global memory.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+// cp.async of 4 bytes (e.g. one float of a row that need not be 16-byte aligned), through L1;
+// src_bytes = 0 writes zeros without reading global memory.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Wait until at most `Pending` committed groups of this thread are still in flight (a compiler

@@ -52,6 +52,33 @@ template <int Rows, int Cols> using rt_fl = rt<float, Rows, Cols, layout::row>;
 template <int Rows, int Cols, typename L = layout::row> using rt_bf = rt<bf16, Rows, Cols, L>;
 template <int Rows, int Cols, typename L = layout::row> using rt_hf = rt<half, Rows, Cols, L>;
 
+// The transpose for free: a col-layout tile of X holds the same registers, in the same order,
+// as a row-layout tile of X^T (only the base tiles' indices swap). So a tile of K loaded in col
+// layout (the B operand of P K) is also K^T as an A operand (of K^T V), and an fp32 accumulator
+// of X, rounded to 16 bits, is X^T as a B operand. The copy costs no instructions.
+template <typename T, int R, int C>
+__device__ __forceinline__ rt<T, C, R, layout::row> as_transpose(const rt<T, R, C, layout::col>& x) {
+  rt<T, C, R, layout::row> t;
+#pragma unroll
+  for (int i = 0; i < x.height; i++)
+#pragma unroll
+    for (int j = 0; j < x.width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) t.tiles[j][i].data[k] = x.tiles[i][j].data[k];
+  return t;
+}
+template <typename T, int R, int C>
+__device__ __forceinline__ rt<T, C, R, layout::col> as_transpose(const rt<T, R, C, layout::row>& x) {
+  rt<T, C, R, layout::col> t;
+#pragma unroll
+  for (int i = 0; i < x.height; i++)
+#pragma unroll
+    for (int j = 0; j < x.width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) t.tiles[j][i].data[k] = x.tiles[i][j].data[k];
+  return t;
+}
+
 // One float per row of a row-layout tile of `Rows` rows: a lane keeps the rows it touches,
 // g and g+8 of each 16-row block (the four lanes sharing g hold the same values).
 template <int Rows>
@@ -59,6 +86,9 @@ struct row_vec {
   static constexpr int rows = Rows, height = Rows / TILE_DIM;
   float data[height][2];
 };
+
+// Row index (within the tile) of v.data[i][h] for this lane.
+__device__ __forceinline__ int row_vec_row(int i, int h) { return 16 * i + (laneid() >> 2) + 8 * h; }
 
 // One float per column of a row-layout tile of `Cols` columns: a lane keeps the columns it
 // touches, 2c, 2c+1 (data[j][0]) and 2c+8, 2c+9 (data[j][1]) of each 16-column block j (the
@@ -68,6 +98,8 @@ struct col_vec {
   static constexpr int cols = Cols, width = Cols / TILE_DIM;
   float2 data[width][2];
 };
+// Column index (within the tile) of v.data[j][h].x for this lane (.y is the next column).
+__device__ __forceinline__ int col_vec_col(int j, int h) { return 16 * j + 2 * (laneid() & 3) + 8 * h; }
 
 // Where element `half_idx` (0/1) of packed register `reg` (0..3) of a row-layout base tile sits.
 __device__ __forceinline__ int fragment_row(int reg) { return (laneid() >> 2) + 8 * (reg & 1); }

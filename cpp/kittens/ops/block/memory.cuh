@@ -27,6 +27,15 @@ __device__ __forceinline__ void load_async(st<T, R, C>& dst, const gl<T>& src, t
   }
 }
 
+// Start an asynchronous copy of src[0 .. N) into the shared vector `dst`, 4 bytes at a time (src
+// need only be float-aligned, e.g. a row of per-token statistics); elements from `valid` on
+// become zeros. Completes at cp_async_wait.
+template <int Threads, int N>
+__device__ __forceinline__ void load_async(sv_fl<N>& dst, const float* src, int valid, int thread = threadIdx.x) {
+  for (int t = thread; t < N; t += Threads)
+    cp_async_4(shared_addr(dst.data + t), src + (t < valid ? t : 0), t < valid ? 4 : 0);
+}
+
 // Synchronous store of a shared tile to global, skipping rows past the end of the sequence.
 template <int Threads, typename T, int R, int C>
 __device__ __forceinline__ void store(const gl<T>& dst, const st<T, R, C>& src, tile_coord coord,

@@ -36,6 +36,19 @@ template <int R, int C>
 __device__ __forceinline__ void mul(rt_fl<R, C>& t, float s) {
   map(t, [=](float x) { return x * s; });
 }
+// 16-bit tiles of either layout, in 16-bit arithmetic (each product rounded to T; exact for a
+// power of two that stays in range).
+template <typename T, int R, int C, typename L>
+  requires is_16bit<T>
+__device__ __forceinline__ void mul(rt<T, R, C, L>& t, float s) {
+  const packed_t<T> f = pack<T>(s, s);
+#pragma unroll
+  for (int i = 0; i < t.height; i++)
+#pragma unroll
+    for (int j = 0; j < t.width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) t.tiles[i][j].data[k] = __hmul2(t.tiles[i][j].data[k], f);
+}
 template <int R, int C>
 __device__ __forceinline__ void exp2(rt_fl<R, C>& t) {
   map(t, [](float x) { return fast_exp2(x); });
@@ -67,19 +80,18 @@ __device__ __forceinline__ void mul(rt_fl<R, C>& dst, const rt_fl<R, C>& a) {
       }
 }
 
-// Element type conversion between row-layout tiles (e.g. fp32 scores -> bf16 probabilities,
-// which are then directly the A operand of the next mma).
-template <typename U, typename V, int R, int C>
-__device__ __forceinline__ void copy(rt<U, R, C, layout::row>& dst, const rt<V, R, C, layout::row>& src) {
+// dst = pick_a ? a : b for a run-time condition, register by register. (A ternary on the tiles
+// themselves selects between their addresses, which puts both into local memory.)
+template <typename T, int R, int C, typename L>
+__device__ __forceinline__ void select(rt<T, R, C, L>& dst, bool pick_a, const rt<T, R, C, L>& a,
+                                       const rt<T, R, C, L>& b) {
 #pragma unroll
   for (int i = 0; i < dst.height; i++)
 #pragma unroll
     for (int j = 0; j < dst.width; j++)
 #pragma unroll
-      for (int k = 0; k < 4; k++) {
-        const float2 v = unpack(src.tiles[i][j].data[k]);
-        dst.tiles[i][j].data[k] = pack<U>(v.x, v.y);
-      }
+      for (int k = 0; k < 4; k++)
+        dst.tiles[i][j].data[k] = select_pair(pick_a, a.tiles[i][j].data[k], b.tiles[i][j].data[k]);
 }
 
 // Row reductions: v[row] = reduce over the row's columns (combined with v's old value when
@@ -132,7 +144,27 @@ __device__ __forceinline__ void row_sum(row_vec<R>& v, const rt_fl<R, C>& t, boo
   row_reduce(v, t, sum_op{}, accumulate);
 }
 
-// Row broadcasts: t[r][c] = f(t[r][c], v[r]).
+// Row-wise dot products v[r] = sum_c a[r][c] b[r][c] of an fp32 tile and a tile of any type
+// (e.g. a product Q M and Q itself: the quadratic forms q^T M q), with fused multiply-adds.
+template <typename T, int R, int C>
+__device__ __forceinline__ void row_dot(row_vec<R>& v, const rt_fl<R, C>& a, const rt<T, R, C>& b) {
+#pragma unroll
+  for (int i = 0; i < a.height; i++) {
+    float sum[2] = {0.f, 0.f};  // rows g, g + 8: registers k with k % 2 == 0, 1
+#pragma unroll
+    for (int j = 0; j < a.width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const float2 x = a.tiles[i][j].data[k], y = unpack(b.tiles[i][j].data[k]);
+        sum[k & 1] = fmaf(x.x, y.x, fmaf(x.y, y.y, sum[k & 1]));
+      }
+#pragma unroll
+    for (int h = 0; h < 2; h++) v.data[i][h] = reduce_quad(sum[h], sum_op{});
+  }
+}
+
+// Row broadcasts: t[r][c] = f(t[r][c], v[r]), or f(t[r][c], v[r], w[r]) with two vectors
+// (e.g. a scale and a shift per row).
 template <int R, int C, typename F>
 __device__ __forceinline__ void map_rows(rt_fl<R, C>& t, const row_vec<R>& v, F&& f) {
 #pragma unroll
@@ -145,6 +177,20 @@ __device__ __forceinline__ void map_rows(rt_fl<R, C>& t, const row_vec<R>& v, F&
         float2& p = t.tiles[i][j].data[k];
         p.x = f(p.x, r);
         p.y = f(p.y, r);
+      }
+}
+template <int R, int C, typename F>
+__device__ __forceinline__ void map_rows(rt_fl<R, C>& t, const row_vec<R>& v, const row_vec<R>& w, F&& f) {
+#pragma unroll
+  for (int i = 0; i < t.height; i++)
+#pragma unroll
+    for (int j = 0; j < t.width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const float r = v.data[i][k & 1], s = w.data[i][k & 1];
+        float2& p = t.tiles[i][j].data[k];
+        p.x = f(p.x, r, s);
+        p.y = f(p.y, r, s);
       }
 }
 template <int R, int C>
@@ -160,7 +206,7 @@ __device__ __forceinline__ void div_row(rt_fl<R, C>& t, const row_vec<R>& v) {
   map_rows(t, v, [](float x, float r) { return x / r; });
 }
 
-// Column broadcasts: t[r][c] = f(t[r][c], v[c]).
+// Column broadcasts: t[r][c] = f(t[r][c], v[c]), or f(t[r][c], v[c], w[c]) with two vectors.
 template <int R, int C, typename F>
 __device__ __forceinline__ void map_cols(rt_fl<R, C>& t, const col_vec<C>& v, F&& f) {
 #pragma unroll
@@ -175,6 +221,113 @@ __device__ __forceinline__ void map_cols(rt_fl<R, C>& t, const col_vec<C>& v, F&
           p.x = f(p.x, v.data[j][half_cols].x);
           p.y = f(p.y, v.data[j][half_cols].y);
         }
+}
+template <int R, int C, typename F>
+__device__ __forceinline__ void map_cols(rt_fl<R, C>& t, const col_vec<C>& v, const col_vec<C>& w, F&& f) {
+#pragma unroll
+  for (int j = 0; j < t.width; j++)
+#pragma unroll
+    for (int half_cols = 0; half_cols < 2; half_cols++)
+#pragma unroll
+      for (int i = 0; i < t.height; i++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+          float2& p = t.tiles[i][j].data[2 * half_cols + r];
+          p.x = f(p.x, v.data[j][half_cols].x, w.data[j][half_cols].x);
+          p.y = f(p.y, v.data[j][half_cols].y, w.data[j][half_cols].y);
+        }
+}
+
+// Rows scaled by a column of another 16-bit tile of the same rows: dst[r][c] = x[r][c] * y[r][col]
+// (y one tile wide, 0 <= col < 16; col may be a run-time value). The factors come from the
+// lanes holding y's column with one shuffle per register they sit in, and multiply in 16 bits
+// when dst has x's type (rounded once, like the fp32 product rounded) or else through fp32.
+//   Row layout: lane (g, c) needs y[g][col] and y[g + 8][col]: the pair holding columns col & ~1
+//   and col | 1 of rows g and g + 8 sits in registers 0, 1 (col < 8) or 2, 3 of lane (g, col/2 % 4).
+//   Col layout (x [K x N] as mma's B operand): lane (g, c) holds rows k = 2c, 2c + 1 (+ 8) and
+//   needs y[k][col] of those rows: the pairs of registers 0, 2 (col < 8) or 1, 3 of lane
+//   (col % 8, c), which hold the same rows.
+// The register half is chosen by col >> 3, which for col = 8 h + (a constant below 8) the
+// compiler reduces to h, so that callers looping over columns of one run-time half share it.
+template <typename U, typename T, int R, int C>
+__device__ __forceinline__ void mul_by_column(rt<U, R, C>& dst, const rt<T, R, C>& x, const rt<T, R, TILE_DIM>& y,
+                                              int col) {
+  const int src = (laneid() & ~3) | ((col >> 1) & 3), right = col >> 3;
+#pragma unroll
+  for (int i = 0; i < x.height; i++) {
+    const auto& f = y.tiles[i][0];
+    const auto top = shfl_sync(select_pair(right != 0, f.data[2], f.data[0]), src);     // rows g
+    const auto bottom = shfl_sync(select_pair(right != 0, f.data[3], f.data[1]), src);  // rows g + 8
+#pragma unroll
+    for (int j = 0; j < x.width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const auto pair = (k & 1) ? bottom : top;  // k is a compile-time index
+        if constexpr (std::is_same_v<U, T>) {
+          dst.tiles[i][j].data[k] = __hmul2(x.tiles[i][j].data[k], select_pair(col & 1, dup_high(pair), dup_low(pair)));
+        } else {
+          const float2 v = unpack(x.tiles[i][j].data[k]), p = unpack(pair);
+          const float a = (col & 1) ? p.y : p.x;
+          dst.tiles[i][j].data[k] = pack<U>(v.x * a, v.y * a);
+        }
+      }
+  }
+}
+template <typename U, typename T, int R, int C>
+__device__ __forceinline__ void mul_by_column(rt<U, R, C, layout::col>& dst, const rt<T, R, C, layout::col>& x,
+                                              const rt<T, R, TILE_DIM, layout::col>& y, int col) {
+  const int src = 4 * (col & 7) + (laneid() & 3), right = col >> 3;
+#pragma unroll
+  for (int i = 0; i < x.height; i++) {
+    const auto& f = y.tiles[i][0];
+    const auto lo = shfl_sync(select_pair(right != 0, f.data[1], f.data[0]), src);  // rows 2c, 2c + 1
+    const auto hi = shfl_sync(select_pair(right != 0, f.data[3], f.data[2]), src);  // rows 2c + 8, 2c + 9
+#pragma unroll
+    for (int j = 0; j < x.width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const auto pair = k < 2 ? lo : hi;
+        if constexpr (std::is_same_v<U, T>) {
+          dst.tiles[i][j].data[k] = __hmul2(x.tiles[i][j].data[k], pair);
+        } else {
+          const float2 v = unpack(x.tiles[i][j].data[k]), p = unpack(pair);
+          dst.tiles[i][j].data[k] = pack<U>(v.x * p.x, v.y * p.y);
+        }
+      }
+  }
+}
+// Row layout, two columns for the price of one shuffle: dst0 = x scaled by y's column col,
+// dst1 by column col + 1 (col even), e.g. the second-order features x_a x_b for a and a + 1.
+template <typename U, typename T, int R, int C>
+__device__ __forceinline__ void mul_by_columns(rt<U, R, C>& dst0, rt<U, R, C>& dst1, const rt<T, R, C>& x,
+                                               const rt<T, R, TILE_DIM>& y, int col) {
+  const int src = (laneid() & ~3) | ((col >> 1) & 3), right = col >> 3;
+#pragma unroll
+  for (int i = 0; i < x.height; i++) {
+    const auto& f = y.tiles[i][0];
+    const auto top = shfl_sync(select_pair(right != 0, f.data[2], f.data[0]), src);
+    const auto bottom = shfl_sync(select_pair(right != 0, f.data[3], f.data[1]), src);
+    if constexpr (std::is_same_v<U, T>) {
+#pragma unroll
+      for (int j = 0; j < x.width; j++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+          const auto pair = (k & 1) ? bottom : top;
+          dst0.tiles[i][j].data[k] = __hmul2(x.tiles[i][j].data[k], dup_low(pair));
+          dst1.tiles[i][j].data[k] = __hmul2(x.tiles[i][j].data[k], dup_high(pair));
+        }
+    } else {
+      const float2 t = unpack(top), b = unpack(bottom);
+#pragma unroll
+      for (int j = 0; j < x.width; j++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+          const float2 v = unpack(x.tiles[i][j].data[k]), a = (k & 1) ? b : t;
+          dst0.tiles[i][j].data[k] = pack<U>(v.x * a.x, v.y * a.x);
+          dst1.tiles[i][j].data[k] = pack<U>(v.x * a.y, v.y * a.y);
+        }
+    }
+  }
 }
 
 // Row-vector maps: v[r] = f(v[r]) or f(a[r], b[r]).
@@ -194,8 +347,18 @@ __device__ __forceinline__ void map(row_vec<R>& dst, const row_vec<R>& a, const 
     dst.data[i][1] = f(a.data[i][1], b.data[i][1]);
   }
 }
-// Row index (within the tile) of v.data[i][h] for this lane.
-__device__ __forceinline__ int row_vec_row(int i, int h) { return 16 * i + (laneid() >> 2) + 8 * h; }
+
+// The sum of all entries of a column vector (every lane gets it): a lane's columns, then the
+// four lanes of a row group.
+template <int C>
+__device__ __forceinline__ float sum(const col_vec<C>& v) {
+  float acc = v.data[0][0].x + v.data[0][0].y;
+#pragma unroll
+  for (int j = 0; j < v.width; j++)
+#pragma unroll
+    for (int h = j == 0 ? 1 : 0; h < 2; h++) acc = acc + v.data[j][h].x + v.data[j][h].y;
+  return reduce_quad(acc, sum_op{});
+}
 
 // Masks: every element whose (row0 + row, col0 + col) fails `keep` becomes `fill`.
 // Used for causal / window diagonals and for tails past the end of a sequence.

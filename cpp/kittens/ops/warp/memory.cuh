@@ -20,17 +20,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t& r0, u
                : "r"(addr));
 }
 
-template <typename T2>
-__device__ __forceinline__ uint32_t& as_u32(T2& x) {
-  static_assert(sizeof(T2) == 4, "16-bit pairs only");
-  return *reinterpret_cast<uint32_t*>(&x);
-}
-template <typename T2>
-__device__ __forceinline__ uint32_t as_u32(const T2& x) {
-  static_assert(sizeof(T2) == 4, "16-bit pairs only");
-  return *reinterpret_cast<const uint32_t*>(&x);
-}
-
 // Row layout: rows [row0, row0+R) and cols [col0, col0+C) of `src`.
 // ldmatrix's four 8x8 matrices are (rows 0-7 | 8-15) x (cols 0-7 | 8-15); lane l points at
 // row l % 16 of column half l / 16, which yields data[0..3] in the order of register_tile.cuh.
@@ -74,6 +63,27 @@ __device__ __forceinline__ void load(col_vec<Cols>& dst, const float* v) {
   for (int j = 0; j < dst.width; j++)
 #pragma unroll
     for (int h = 0; h < 2; h++) dst.data[j][h] = *reinterpret_cast<const float2*>(v + 16 * j + fragment_col(2 * h, 0));
+}
+
+// A lane's rows of the vector v[0 .. Rows) (shared or global memory).
+template <int Rows>
+__device__ __forceinline__ void load(row_vec<Rows>& dst, const float* v) {
+#pragma unroll
+  for (int i = 0; i < dst.height; i++)
+#pragma unroll
+    for (int h = 0; h < 2; h++) dst.data[i][h] = v[row_vec_row(i, h)];
+}
+
+// A lane's rows of v to the vector dst[0 .. rows) (shared or global memory), rows from `rows`
+// on skipped: the four lanes of a row hold the same value, and the first of them writes it.
+template <int Rows>
+__device__ __forceinline__ void store(float* dst, const row_vec<Rows>& v, int rows = Rows) {
+  if ((laneid() & 3) != 0) return;
+#pragma unroll
+  for (int i = 0; i < v.height; i++)
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+      if (row_vec_row(i, h) < rows) dst[row_vec_row(i, h)] = v.data[i][h];
 }
 
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
@@ -188,11 +198,30 @@ __device__ __forceinline__ void store_fragments(float* dst, const rt_fl<R, C>& s
       }
 }
 
-// A tile from fragment order in global memory: the inverse of store_fragments and
-// atomic_add_fragments, each 16-byte load of a warp reading 512 contiguous bytes. src: 16-byte
-// aligned, R * C floats.
+// The inverse of store_fragments: a tile from shared memory in fragment order (e.g. one that
+// another warp of the block stored), with the same conflict-free 16-byte accesses.
 template <int R, int C>
 __device__ __forceinline__ void load_fragments(rt_fl<R, C>& dst, const float* src) {
+  const uint32_t base = shared_addr(src) + 16 * laneid();
+#pragma unroll
+  for (int i = 0; i < dst.height; i++)
+#pragma unroll
+    for (int j = 0; j < dst.width; j++)
+#pragma unroll
+      for (int half = 0; half < 2; half++) {
+        const int n = (i * dst.width + j) * 2 + half;
+        float2 &top = dst.tiles[i][j].data[2 * half], &bottom = dst.tiles[i][j].data[2 * half + 1];
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=f"(top.x), "=f"(top.y), "=f"(bottom.x), "=f"(bottom.y)
+                     : "r"(base + 512 * n)
+                     : "memory");
+      }
+}
+
+// The same from global memory: the inverse of atomic_add_fragments, each 16-byte load of a
+// warp reading 512 contiguous bytes. src: 16-byte aligned, R * C floats.
+template <int R, int C>
+__device__ __forceinline__ void load_global_fragments(rt_fl<R, C>& dst, const float* src) {
   const float4* lane_src = reinterpret_cast<const float4*>(src) + laneid();
 #pragma unroll
   for (int i = 0; i < dst.height; i++)
@@ -203,6 +232,8 @@ __device__ __forceinline__ void load_fragments(rt_fl<R, C>& dst, const float* sr
         const float4 quad = lane_src[32 * ((i * dst.width + j) * 2 + half)];
         dst.tiles[i][j].data[2 * half] = make_float2(quad.x, quad.y);
         dst.tiles[i][j].data[2 * half + 1] = make_float2(quad.z, quad.w);
+      }
+}
       }
 }
 
