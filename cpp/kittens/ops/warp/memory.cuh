@@ -234,8 +234,6 @@ __device__ __forceinline__ void load_global_fragments(rt_fl<R, C>& dst, const fl
         dst.tiles[i][j].data[2 * half + 1] = make_float2(quad.z, quad.w);
       }
 }
-      }
-}
 
 // Register tile (row layout) straight to global, converting to T; rows past dst.seq skipped.
 // 16-bit T: the four lanes of a quad hold 16 columns of rows g and g + 8 of a base tile, 4 bytes
