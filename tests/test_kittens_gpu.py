@@ -17,8 +17,8 @@ def kernels(hopper):
     return True
 
 
-def _call(name, outs, *args):
-    return jax.ffi.ffi_call(name, outs)(*args)
+def _call(name, outs, *args, **attributes):
+    return jax.ffi.ffi_call(name, outs)(*args, **attributes)
 
 
 @pytest.mark.parametrize("cols", [16, 32, 64, 128])
