@@ -58,6 +58,23 @@ __device__ __forceinline__ void load_symmetrised_state(rt_fl<16, 16> (&state)[OW
   }
 }
 
+// acc += ds X for the 16 rows of a streamed chunk `x` (q or k) from row0, X as a bf16 B operand.
+// ds is this warp's part of a sum over column groups that nearly cancels where the gradient's
+// row hardly depends on its input: it goes to the tensor cores as bf16 high and low parts, so
+// that its rounding (not the sum's) stays ~2^-16 of it.
+template <typename T>
+__device__ __forceinline__ void add_split_product(rt_fl<16, 16>& acc, const rt_fl<16, 16>& ds,
+                                                  const st<T, CHUNK, FEATURE_DIM>& x, int row0) {
+  rt_bf<16, 16> ds_hi, ds_lo;
+  split(ds_hi, ds_lo, ds);
+  rt<T, 16, 16, layout::col> x_col;  // [16 rows x 16 features] as a B operand
+  load(x_col, x, row0, 0);
+  rt_bf<16, 16, layout::col> xb;
+  copy(xb, x_col);
+  mma_AB(acc, ds_hi, xb, acc);
+  mma_AB(acc, ds_lo, xb, acc);
+}
+
 // Where row (b, t, h) of value-column block v_block starts in the backward's
 // [batch, seq, heads, value_dim / 64, 16] partial sums of dq and dk.
 __device__ __forceinline__ int64_t grad_part_index(const BackwardParams& p, int b, int t, int h, int v_block) {

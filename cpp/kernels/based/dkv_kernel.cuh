@@ -173,14 +173,7 @@ __device__ __forceinline__ void add_intra_chunk_terms(rt_fl<16, 16> (&dv)[ROW_TI
         map(x, [](float a) { return 0.25f + a / 16; });
         mul(ds, x);
         if (masked) mask(ds);
-        rt_bf<16, 16> ds_hi, ds_lo;
-        split(ds_hi, ds_lo, ds);
-        rt<T, 16, 16, layout::col> q_col;  // Q [16 queries x 16 features] as a B operand
-        load(q_col, s.q[stage], 16 * qt, 0);
-        rt_bf<16, 16, layout::col> qb;
-        copy(qb, q_col);
-        mma_AB(dk[i], ds_hi, qb, dk[i]);
-        mma_AB(dk[i], ds_lo, qb, dk[i]);
+        add_split_product(dk[i], ds, s.q[stage], 16 * qt);
       }
   }
 }

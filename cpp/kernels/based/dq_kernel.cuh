@@ -129,17 +129,7 @@ __device__ __forceinline__ void add_intra_chunk_term(rt_fl<16, 16> (&acc)[ROW_TI
           for_each(ds, [&](float& x, int r, int key) {
             if (16 * kt + key > 16 * m + r || 16 * kt + key >= real_tokens) x = 0.f;
           });
-        // ds is this warp's part of a sum over column groups that nearly cancels where y_t
-        // hardly depends on q_t: it goes to the tensor cores as bf16 high and low parts, so
-        // that its rounding (not the sum's) stays ~2^-16 of it.
-        rt_bf<16, 16> ds_hi, ds_lo;
-        split(ds_hi, ds_lo, ds);
-        rt<T, 16, 16, layout::col> kc;  // K [16 keys x 16 features] as a B operand
-        load(kc, s.k[stage], 16 * kt, 0);
-        rt_bf<16, 16, layout::col> kb;
-        copy(kb, kc);
-        mma_AB(acc[i], ds_hi, kb, acc[i]);
-        mma_AB(acc[i], ds_lo, kb, acc[i]);
+        add_split_product(acc[i], ds, s.k[stage], 16 * kt);  // dq += ds K
       }
   }
 }
