@@ -56,20 +56,11 @@ template <int Rows, int Cols, typename L = layout::row> using rt_hf = rt<half, R
 // as a row-layout tile of X^T (only the base tiles' indices swap). So a tile of K loaded in col
 // layout (the B operand of P K) is also K^T as an A operand (of K^T V), and an fp32 accumulator
 // of X, rounded to 16 bits, is X^T as a B operand. The copy costs no instructions.
-template <typename T, int R, int C>
-__device__ __forceinline__ rt<T, C, R, layout::row> as_transpose(const rt<T, R, C, layout::col>& x) {
-  rt<T, C, R, layout::row> t;
-#pragma unroll
-  for (int i = 0; i < x.height; i++)
-#pragma unroll
-    for (int j = 0; j < x.width; j++)
-#pragma unroll
-      for (int k = 0; k < 4; k++) t.tiles[j][i].data[k] = x.tiles[i][j].data[k];
-  return t;
-}
-template <typename T, int R, int C>
-__device__ __forceinline__ rt<T, C, R, layout::col> as_transpose(const rt<T, R, C, layout::row>& x) {
-  rt<T, C, R, layout::col> t;
+template <typename Layout>
+using transposed_layout = std::conditional_t<std::is_same_v<Layout, layout::row>, layout::col, layout::row>;
+template <typename T, int R, int C, typename Layout>
+__device__ __forceinline__ rt<T, C, R, transposed_layout<Layout>> as_transpose(const rt<T, R, C, Layout>& x) {
+  rt<T, C, R, transposed_layout<Layout>> t;
 #pragma unroll
   for (int i = 0; i < x.height; i++)
 #pragma unroll
