@@ -19,6 +19,34 @@ constexpr bool head_dim_supported(int d) {
   return false;
 }
 
+// Segment ids and lengths, which combine with the causal / window band of the launch params.
+// Per batch row b, query i sees key j iff
+//   i < q_len[b] and j < kv_len[b]                      (seq_q, seq_k without lengths)
+//   and q_segment_ids[b, i] == kv_segment_ids[b, j]     (only with segment ids)
+//   and (window_left  < 0 or j >= i + offset_b - window_left)
+//   and (window_right < 0 or j <= i + offset_b + window_right)
+// with offset_b = kv_len[b] - q_len[b] when bottom_right (FlashAttention's alignment) and 0
+// otherwise (top-left, jax.nn.dot_product_attention's). Causal attention is window_right = 0.
+// Lengths outside [0, seq] are clamped to it. A row that sees no key gets O = 0, lse = -inf
+// and zero gradients; work past the lengths is skipped, not masked.
+struct MaskParams {
+  const int32_t* q_segment_ids = nullptr;   // [batch, seq_q], or null (then kv_segment_ids too)
+  const int32_t* kv_segment_ids = nullptr;  // [batch, seq_k]
+  const int32_t* q_lengths = nullptr;       // [batch], or null (then kv_lengths too)
+  const int32_t* kv_lengths = nullptr;      // [batch]
+  // mask_workspace_bytes(...) bytes, 16-byte aligned, contents need no setting: with segment
+  // ids, the segment ranges of every chunk of rows (segment_ranges.cuh).
+  void* workspace = nullptr;
+  bool bottom_right = true;
+
+  bool has_segment_ids() const { return q_segment_ids != nullptr; }
+};
+
+// Bytes of the mask workspace a call needs: with segment ids, the ranges of every 64-row chunk
+// of the queries and of the keys; without, a 16-byte token per batch row. Linear in batch:
+// callers that fold extra leading axes into the batch may size it per batch and multiply.
+size_t mask_workspace_bytes(int64_t batch, int64_t seq_q, int64_t seq_k, bool segment_ids);
+
 struct ForwardParams {
   const void* q;  // [batch, seq_q, heads_q, head_dim]
   const void* k;  // [batch, seq_k, heads_kv, head_dim]
@@ -27,9 +55,10 @@ struct ForwardParams {
   float* lse;     // [batch, heads_q, seq_q], natural log; -inf for rows that see no key
   int batch, seq_q, seq_k, heads_q, heads_kv, head_dim;
   float scale;
-  // Query i sees key j iff  i + (seq_k - seq_q) - window_left <= j <= i + (seq_k - seq_q) + window_right;
-  // a negative bound is unbounded. Causal attention is window_right = 0.
+  // The band: query i sees key j iff  i + offset - window_left <= j <= i + offset + window_right
+  // (a negative bound is unbounded; offset as in MaskParams), with the masks of `mask`.
   int window_left, window_right;
+  MaskParams mask;
   DType dtype;
 };
 
@@ -54,6 +83,7 @@ struct BackwardParams {
   int batch, seq_q, seq_k, heads_q, heads_kv, head_dim;
   float scale;
   int window_left, window_right;  // as in ForwardParams
+  MaskParams mask;                // the forward's
   DType dtype;
 };
 

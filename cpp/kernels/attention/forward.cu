@@ -15,24 +15,16 @@ const char* forward_unsupported(const ForwardParams& p) {
   if (!(std::isfinite(p.scale) && p.scale > 0.f)) return "scale must be finite and > 0";
   if (p.window_left < -1 || p.window_right < -1) return "window bounds must be >= -1";
   if (p.batch > 65535 || p.heads_q > 65535) return "batch and heads_q must be <= 65535";
+  if (const char* why = mask_unsupported(p.mask)) return why;
   if (int64_t(p.seq_q + 127) / 128 * p.heads_q * p.batch > INT32_MAX / 2)
     return "too many query blocks for the persistent walk's item numbers";
   return nullptr;
 }
 
-template <typename T>
-static cudaError_t forward_typed(const ForwardParams& p, cudaStream_t stream) {
-  switch (p.head_dim) {
-    case 64: return launch_forward<T, 64>(p, stream);
-    case 128: return launch_forward<T, 128>(p, stream);
-    case 256: return launch_forward<T, 256>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
 cudaError_t forward(const ForwardParams& p, cudaStream_t stream) {
   if (forward_unsupported(p)) return cudaErrorInvalidValue;
-  return p.dtype == DType::bf16 ? forward_typed<bf16>(p, stream) : forward_typed<half>(p, stream);
+  if (p.mask.has_segment_ids()) return forward_with_segment_ids(p, stream);
+  return launch_forward_kernels<false>(p, stream);
 }
 
 }  // namespace tk::attention

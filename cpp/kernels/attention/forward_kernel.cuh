@@ -27,6 +27,7 @@
 
 #include "../../kittens/kittens.cuh"
 #include "attention.h"
+#include "segment_ranges.cuh"
 #include "softmax_band.cuh"
 
 namespace tk::attention {
@@ -81,56 +82,128 @@ __host__ __device__ inline int query_blocks(const ForwardParams& p) {
 }
 
 // An item: query block q_block of (batch b, head h), counted from the end under a causal or
-// right window so that the heaviest blocks start first; the key tiles [first_tile, end_tile)
-// its band can see.
+// right window so that the heaviest blocks start first, and the key tiles it visits: those of
+// [first_tile, end_tile) that its band (and lengths) can see, less, with segment ids (SEG), the
+// tiles that share no segment with its queries (segment_ranges.cuh). The producer and the
+// consumers walk the same tiles with next_tile; first_tile is always visited when the range is
+// not empty.
 struct forward_item {
   int q0, h, b, kv_h, first_tile, end_tile;
+  band mask_band;     // of batch row b
+  int seg_lo, seg_hi;  // SEG: the id range of the item's queries
 
-  template <int Q_ROWS, int KV>
-  __device__ static forward_item of(int q_block, int h, int b, const ForwardParams& p, const band& mask_band) {
+  template <int Q_ROWS, int KV, bool SEG>
+  __device__ static forward_item of(int q_block, int h, int b, const ForwardParams& p) {
+    const band mask_band = band::of(p, b);
     if (p.window_right >= 0) q_block = query_blocks<Q_ROWS>(p) - 1 - q_block;
-    const int q0 = q_block * Q_ROWS;
-    const key_range keys = mask_band.keys_of(q0, min(q0 + Q_ROWS, p.seq_q) - 1);
-    const int first = keys.lo / KV, end = keys.hi > keys.lo ? (keys.hi + KV - 1) / KV : first;
-    return {q0, h, b, h / (p.heads_q / p.heads_kv), first, end};
+    const int q0 = q_block * Q_ROWS, q_last = min(q0 + Q_ROWS, p.seq_q) - 1;
+    key_range keys = mask_band.keys_of(q0, q_last);
+    forward_item w{q0, h, b, h / (p.heads_q / p.heads_kv), 0, 0, mask_band, 0, 0};
+    if constexpr (SEG) {  // within the hull of the keys that share the queries' segments
+      const segment_span ids = segment_ranges::of(p).queries<Q_ROWS>(b, q0);
+      keys = {max(keys.lo, ids.other_lo), min(keys.hi, ids.other_hi)};
+      w.seg_lo = ids.seg_lo;
+      w.seg_hi = ids.seg_hi;
+    }
+    w.first_tile = keys.hi > keys.lo ? keys.lo / KV : 0;
+    w.end_tile = keys.hi > keys.lo ? (keys.hi + KV - 1) / KV : 0;
+    if constexpr (SEG) {
+      if (w.first_tile < w.end_tile && !w.template shares<KV>(p, w.first_tile))
+        w.first_tile = w.template next_tile<KV, SEG>(p, w.first_tile);
+    }
+    return w;
   }
-  __device__ int tiles() const { return end_tile - first_tile; }  // >= 0
+  __device__ bool empty() const { return first_tile >= end_tile; }
+  // The id range of key tile t (SEG).
+  template <int KV>
+  __device__ segment_span tile_ids(const ForwardParams& p, int t) const {
+    return segment_ranges::of(p).keys<KV>(b, t * KV);
+  }
+  template <int KV>
+  __device__ bool shares(const ForwardParams& p, int t) const {
+    const segment_span ids = tile_ids<KV>(p, t);
+    return ids.seg_lo <= seg_hi && seg_lo <= ids.seg_hi;
+  }
+  // The visited tile after t; end_tile when none is left.
+  template <int KV, bool SEG>
+  __device__ int next_tile(const ForwardParams& p, int t) const {
+    t++;
+    if constexpr (SEG) {
+#pragma unroll 1
+      while (t < end_tile && !shares<KV>(p, t)) t++;
+    }
+    return t;
+  }
 };
 
 // Producer (one thread): item w's Q as use q_use of the Q ring, and its key tiles as uses
-// kv_use, kv_use + 1, ... of the K and V rings. A block's first Q goes first; a later one
-// goes after its item's first K tile, which may then load while the consumers still read the
-// previous item's Q.
-template <typename T, int D, int C>
-__device__ __forceinline__ void load_item(forward_shared<T, D, C>& s, const ForwardArgs& args,
-                                          const forward_item& w, int q_use, int kv_use) {
+// kv_use, kv_use + 1, ... of the K and V rings; returns how many. A block's first Q goes first;
+// a later one goes after its item's first K tile, which may then load while the consumers still
+// read the previous item's Q.
+template <bool SEG, typename T, int D, int C>
+__device__ __forceinline__ int load_item(forward_shared<T, D, C>& s, const ForwardArgs& args, const forward_item& w,
+                                         int q_use, int kv_use) {
   constexpr int KV = forward_config<D, C>::KV_ROWS;
   auto load_q = [&] {
     tma::barrier& q_full = s.q_ring.fill(q_use, C * sizeof(s.q[0]));
     for (int c = 0; c < C; c++) tma::load_async(&s.q[c], args.q, q_full, 0, w.q0 + 64 * c, 0, w.h, w.b);
   };
-  if (w.tiles() == 0) s.q_ring.fill(q_use, 0);  // rows that see no key: no Q to wait for
+  if (w.empty()) s.q_ring.fill(q_use, 0);  // rows that see no key: no Q to wait for
   else if (q_use == 0) load_q();
-  for (int i = 0; i < w.tiles(); i++) {
-    const int use = kv_use + i, stage = s.k_ring.slot(use), k0 = (w.first_tile + i) * KV;
+  int n = 0;
+  for (int t = w.first_tile; t < w.end_tile; t = w.template next_tile<KV, SEG>(args.p, t), n++) {
+    const int use = kv_use + n, stage = s.k_ring.slot(use), k0 = t * KV;
     tma::load_async(&s.k[stage], args.k, s.k_ring.fill(use, sizeof(s.k[0])), 0, k0, 0, w.kv_h, w.b);
-    if (i == 0 && q_use > 0) load_q();
+    if (n == 0 && q_use > 0) load_q();
     tma::load_async(&s.v[stage], args.v, s.v_ring.fill(use, sizeof(s.v[0])), 0, k0, 0, w.kv_h, w.b);
   }
+  return n;
 }
 
+// The segment ids of a consumer warp's rows (SEG): each lane's rows g and g + 8, their range
+// over the warp, and the ids of the keys of the current row of the batch.
+struct warp_segments {
+  int row_ids[2];
+  int lo, hi;
+  const int32_t* key_ids;
+
+  __device__ static warp_segments of(const ForwardParams& p, const forward_item& w, int row0) {
+    warp_segments s;
+    int lo = INT_MAX, hi = INT_MIN;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int row = row0 + row_vec_row(0, h);
+      const bool valid = row < w.mask_band.q_end;  // rows past the length are masked by the band
+      s.row_ids[h] = valid ? __ldg(p.mask.q_segment_ids + int64_t(w.b) * p.seq_q + row) : INT_MAX;
+      lo = valid ? min(lo, s.row_ids[h]) : lo;
+      hi = valid ? max(hi, s.row_ids[h]) : hi;
+    }
+    const int2 range = warp_id_range(lo, hi);
+    s.lo = range.x;
+    s.hi = range.y;
+    s.key_ids = p.mask.kv_segment_ids + int64_t(w.b) * p.seq_k;
+    return s;
+  }
+  // Masks the pairs of key tile [k0, k0 + KV) whose ids differ, unless all of them hold one id.
+  template <int KV>
+  __device__ void mask(rt_fl<16, KV>& scores, const segment_span& tile, int k0, int k_end) const {
+    if (!tile.one_segment_with(lo, hi)) mask_segments(scores, row_ids, key_ids + k0, k_end - k0);
+  }
+};
+
 // Consumer warpgroup `consumer`: attention of its 64 rows of item w, whose key tiles are uses
-// kv_use, kv_use + 1, ... of the K and V rings; writes O and lse. release_q() runs once Q is
-// no longer read.
-template <typename T, int D, int C, typename ReleaseQ>
-__device__ __forceinline__ void attend_item(forward_shared<T, D, C>& s, const ForwardParams& p,
-                                            const band& mask_band, const forward_item& w, int consumer,
-                                            int kv_use, ReleaseQ release_q) {
+// kv_use, kv_use + 1, ... of the K and V rings; writes O and lse and returns how many tiles it
+// read. release_q() runs once Q is no longer read.
+template <bool SEG, typename T, int D, int C, typename ReleaseQ>
+__device__ __forceinline__ int attend_item(forward_shared<T, D, C>& s, const ForwardParams& p, const forward_item& w,
+                                           int consumer, int kv_use, ReleaseQ release_q) {
   constexpr int KV = forward_config<D, C>::KV_ROWS;
   const int row0 = w.q0 + 64 * consumer + 16 * warpgroup::warp_in_group();  // this warp's first row
   const float c = p.scale * LOG2E;
-  const int tiles = w.tiles();
-  const auto masked_tile = mask_band.cuts_for_queries(row0, 16, KV);  // which key tiles need masks
+  const band& mask_band = w.mask_band;
+  const auto masked_tile = mask_band.cuts_for_queries(row0, 16, KV);  // which key tiles need band masks
+  warp_segments segments;
+  if constexpr (SEG) segments = warp_segments::of(p, w, row0);
 
   rt_fl<16, D> o;
   row_vec<16> m, l;
@@ -138,17 +211,18 @@ __device__ __forceinline__ void attend_item(forward_shared<T, D, C>& s, const Fo
   map(m, [](float) { return NEG_INF; });
   map(l, [](float) { return 0.f; });
 
-  // Scores of key tile i + 1 are computed while P_i V_i runs: S_{i+1} and then O += P_i V_i are
-  // issued back to back, the softmax of S_{i+1} overlaps the second product, and O is
-  // rescaled once that product has landed.
+  // Scores of the next key tile are computed while P V of this one runs: S_{i+1} and then
+  // O += P_i V_i are issued back to back, the softmax of S_{i+1} overlaps the second product, and
+  // O is rescaled once that product has landed. Tile i of the walk is use kv_use + i.
   rt_fl<16, KV> scores;
   row_vec<16> rescale;
   auto scores_of = [&](int i) {  // S_i = Q K_i^T, issued asynchronously
     warpgroup::mma_ABt(scores, s.q[consumer], s.k[s.k_ring.acquire(kv_use + i)], false);
   };
-  auto softmax_of = [&](int i) {  // S_i has landed: release K_i, then scores -> P_i
+  auto softmax_of = [&](int i, int t) {  // S_i (key tile t) has landed: release K_i, then scores -> P_i
     s.k_ring.release(kv_use + i);
-    const int k0 = (w.first_tile + i) * KV;
+    const int k0 = t * KV;
+    if constexpr (SEG) segments.mask(scores, w.template tile_ids<KV>(p, t), k0, mask_band.k_end);
     if (masked_tile.cuts(k0)) mask_band.mask(scores, row0, k0);
     return online_softmax_step(scores, m, l, rescale, c);  // whether O needs the rescale
   };
@@ -158,34 +232,37 @@ __device__ __forceinline__ void attend_item(forward_shared<T, D, C>& s, const Fo
   auto release_v = [&](int i) {  // P_i V_i has landed
     s.v_ring.release(kv_use + i);
   };
-  if (tiles > 0) {
+  int t = w.first_tile, i = 0;
+  if (!w.empty()) {
     scores_of(0);
     warpgroup::wait<0>();
-    softmax_of(0);  // O is still zero: no rescale
+    softmax_of(0, t);  // O is still zero: no rescale
   } else {
     release_q();
   }
-  for (int i = 0; i + 1 < tiles; i++) {
+  for (int next = w.template next_tile<KV, SEG>(p, t); next < w.end_tile;
+       t = next, next = w.template next_tile<KV, SEG>(p, next), i++) {
     rt<T, 16, KV> probs;  // P_i leaves the scores before S_{i+1} overwrites them
     copy(probs, scores);
     scores_of(i + 1);
     add_pv(i, probs);
     warpgroup::wait<1>();  // S_{i+1} has landed; P_i V_i may still run
-    const bool rescaled = softmax_of(i + 1);
+    const bool rescaled = softmax_of(i + 1, next);
     warpgroup::wait<0>();
     release_v(i);
     if (rescaled) mul_row(o, rescale);
   }
-  if (tiles > 0) {  // the last tile: nothing left to overlap
+  if (!w.empty()) {  // the last tile: nothing left to overlap
     release_q();  // its scores have landed
     rt<T, 16, KV> probs;
     copy(probs, scores);
-    add_pv(tiles - 1, probs);
+    add_pv(i, probs);
     warpgroup::wait<0>();
-    release_v(tiles - 1);
+    release_v(i);
   }
 
   store_output<T, D>(o, m, l, c, p, w.b, w.h, row0);
+  return w.empty() ? 0 : i + 1;
 }
 
 // One thread initialises the rings, before any warp uses them.
@@ -202,24 +279,23 @@ __device__ __forceinline__ void init_rings(forward_shared<T, D, C>& s) {
 }
 
 // Plain grid: block (x, y, z) runs query block x of head y, batch z.
-template <typename T, int D, int C>
+template <typename T, int D, int C, bool SEG>
 __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
     forward_kernel(const __grid_constant__ ForwardArgs args) {
   using config = forward_config<D, C>;
   const ForwardParams& p = args.p;
   extern __shared__ char smem_raw[];
   auto& s = aligned_shared<forward_shared<T, D, C>>(smem_raw);
-  const band mask_band = band::of(p);
   const forward_item w =
-      forward_item::of<config::Q_ROWS, config::KV_ROWS>(blockIdx.x, blockIdx.y, blockIdx.z, p, mask_band);
+      forward_item::of<config::Q_ROWS, config::KV_ROWS, SEG>(blockIdx.x, blockIdx.y, blockIdx.z, p);
   init_rings(s);
   if (warpgroup::groupid() == 0) {
     warpgroup::decrease_registers<config::PRODUCER_REGS>();
-    if (threadIdx.x == 0) load_item(s, args, w, 0, 0);
+    if (threadIdx.x == 0) load_item<SEG>(s, args, w, 0, 0);
   } else {
     warpgroup::increase_registers<config::CONSUMER_REGS>();
     s.q_ring.acquire(0);
-    attend_item(s, p, mask_band, w, warpgroup::groupid() - 1, 0, [] {});  // Q is read once: never released
+    attend_item<SEG>(s, p, w, warpgroup::groupid() - 1, 0, [] {});  // Q is read once: never released
   }
 }
 
@@ -233,25 +309,25 @@ __host__ __device__ inline int forward_items(const ForwardParams& p) {
 // heaviest-first order of causal items the blocks' sums of item lengths come out close. Item t
 // is query block t % q_blocks, head (t / q_blocks) % heads_q, batch t / (q_blocks heads_q), the
 // plain grid's order. Calls visit(item, n, kv_use) for the n-th, whose key tiles are uses
-// kv_use, kv_use + 1, ... of the K and V rings: the rings run on from item to item.
-template <int Q_ROWS, int KV, typename Visit>
-__device__ __forceinline__ void walk_items(const ForwardParams& p, const band& mask_band, Visit visit) {
+// kv_use, kv_use + 1, ... of the K and V rings, and which returns how many it used: the rings
+// run on from item to item.
+template <int Q_ROWS, int KV, bool SEG, typename Visit>
+__device__ __forceinline__ void walk_items(const ForwardParams& p, Visit visit) {
   const int items = forward_items<Q_ROWS>(p), q_blocks = query_blocks<Q_ROWS>(p);
   const int G = gridDim.x;
   int kv_use = 0;
   for (int n = 0;; n++) {
     const int t = n * G + (n % 2 == 0 ? blockIdx.x : G - 1 - blockIdx.x);
     if (t >= items) break;
-    const forward_item w = forward_item::of<Q_ROWS, KV>(t % q_blocks, t / q_blocks % p.heads_q,
-                                                         t / q_blocks / p.heads_q, p, mask_band);
-    visit(w, n, kv_use);
-    kv_use += w.tiles();
+    const forward_item w = forward_item::of<Q_ROWS, KV, SEG>(t % q_blocks, t / q_blocks % p.heads_q,
+                                                              t / q_blocks / p.heads_q, p);
+    kv_use += visit(w, n, kv_use);
   }
 }
 
 // Persistent grid: each block walks its items; the producer loads the n-th item's Q as use n
 // of the Q ring, which the consumers release once they no longer read it.
-template <typename T, int D, int C>
+template <typename T, int D, int C, bool SEG>
 __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
     persistent_forward_kernel(const __grid_constant__ ForwardArgs args) {
   using config = forward_config<D, C>;
@@ -259,35 +335,35 @@ __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
   const ForwardParams& p = args.p;
   extern __shared__ char smem_raw[];
   auto& s = aligned_shared<forward_shared<T, D, C>>(smem_raw);
-  const band mask_band = band::of(p);
 
   init_rings(s);
   if (warpgroup::groupid() == 0) {
     warpgroup::decrease_registers<config::PRODUCER_REGS>();
     if (threadIdx.x == 0)
-      walk_items<Q_ROWS, KV>(p, mask_band, [&](const forward_item& w, int n, int kv_use) {
-        load_item(s, args, w, n, kv_use);
+      walk_items<Q_ROWS, KV, SEG>(p, [&](const forward_item& w, int n, int kv_use) {
+        return load_item<SEG>(s, args, w, n, kv_use);
       });
   } else {
     warpgroup::increase_registers<config::CONSUMER_REGS>();
     const int consumer = warpgroup::groupid() - 1;
-    walk_items<Q_ROWS, KV>(p, mask_band, [&](const forward_item& w, int n, int kv_use) {
+    walk_items<Q_ROWS, KV, SEG>(p, [&](const forward_item& w, int n, int kv_use) {
       s.q_ring.acquire(n);
-      attend_item(s, p, mask_band, w, consumer, kv_use, [&] { s.q_ring.release(n); });
+      return attend_item<SEG>(s, p, w, consumer, kv_use, [&] { s.q_ring.release(n); });
     });
   }
 }
 
 // Consumers per block: 3 at D = 64 (192 query rows), where their registers allow it, except
 // for causal or windowed attention over at most 2048 keys, where a 192-row block's masked
-// work at the band's edge outweighs it; else 2. (Same-card A/Bs in docs/DESIGN.md: burst-timed
-// rounds set the limit at 4096 keys; at sustained clocks three consumers gain 2.9% at causal 4k.)
+// work at the band's edge outweighs it, and with segment ids, whose documents' edges cut blocks
+// the same way; else 2. (Same-card A/Bs in docs/DESIGN.md: burst-timed rounds set the limit at
+// 4096 keys; at sustained clocks three consumers gain 2.9% at causal 4k.)
 inline int forward_consumers(const ForwardParams& p) {
   const bool banded = p.window_left >= 0 || p.window_right >= 0;
-  return p.head_dim == 64 && !(banded && p.seq_k <= 2048) ? 3 : 2;
+  return p.head_dim == 64 && !(banded && p.seq_k <= 2048) && !p.mask.has_segment_ids() ? 3 : 2;
 }
 
-template <typename T, int D, int C>
+template <typename T, int D, int C, bool SEG>
 cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
   using config = forward_config<D, C>;
   ForwardArgs args{};
@@ -301,9 +377,11 @@ cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
   int sms = 0;
   if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
   const int items = forward_items<config::Q_ROWS>(p);
-  if (p.seq_k <= config::PERSISTENT_MAX_KEYS) {
+  // With segment ids the items are a document's few tiles, short next to a block's start-up
+  // and write-out: the persistent grid at any length.
+  if (p.seq_k <= config::PERSISTENT_MAX_KEYS || SEG) {
     const dim3 grid(std::min(items, sms));
-    return launch_with_shared<persistent_forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
+    return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, smem, stream, args);
   }
   // Under a band, where a (batch, head) pair has at most half as many query blocks as the card
   // has SMs, one block a query block ends unevenly: the next pairs' heaviest blocks start while
@@ -317,18 +395,35 @@ cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
   // rounds: D=256 +6.4%, D=128 +0.5%, D=64 -1.1% (within the rounds' spread).
   if (p.window_right >= 0 && 2 * query_blocks<config::Q_ROWS>(p) <= sms) {
     const dim3 grid((items + 1) / 2);
-    return launch_with_shared<persistent_forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
+    return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, smem, stream, args);
   }
   const dim3 grid(query_blocks<config::Q_ROWS>(p), p.heads_q, p.batch);
-  return launch_with_shared<forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
+  return launch_with_shared<forward_kernel<T, D, C, SEG>>(grid, config::THREADS, smem, stream, args);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool SEG>
 cudaError_t launch_forward(const ForwardParams& p, cudaStream_t stream) {
-  if constexpr (D == 64) {
-    if (forward_consumers(p) == 3) return launch_forward_with<T, D, 3>(p, stream);
+  if constexpr (D == 64 && !SEG) {
+    if (forward_consumers(p) == 3) return launch_forward_with<T, D, 3, SEG>(p, stream);
   }
-  return launch_forward_with<T, D, 2>(p, stream);
+  return launch_forward_with<T, D, 2, SEG>(p, stream);
 }
+
+// The kernels for p's dtype and head dim, with (SEG) or without segment ids. Each SEG is built
+// in a translation unit of its own (forward.cu, forward_segment_ids.cu), so they compile in
+// parallel.
+template <bool SEG>
+cudaError_t launch_forward_kernels(const ForwardParams& p, cudaStream_t stream) {
+  const bool bf = p.dtype == DType::bf16;
+  switch (p.head_dim) {
+    case 64: return bf ? launch_forward<bf16, 64, SEG>(p, stream) : launch_forward<half, 64, SEG>(p, stream);
+    case 128: return bf ? launch_forward<bf16, 128, SEG>(p, stream) : launch_forward<half, 128, SEG>(p, stream);
+    case 256: return bf ? launch_forward<bf16, 256, SEG>(p, stream) : launch_forward<half, 256, SEG>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// With segment ids: the segment-range prologue, then the SEG kernels (forward_segment_ids.cu).
+cudaError_t forward_with_segment_ids(const ForwardParams& p, cudaStream_t stream);
 
 }  // namespace tk::attention
