@@ -71,6 +71,9 @@ NB_MODULE(_tk, m) {
   m.def("attention_backward_workspace_bytes", &tk::attention::backward_workspace_bytes, nb::arg("batch"),
         nb::arg("heads_q"), nb::arg("seq_q"), nb::arg("head_dim"),
         "Bytes of the workspace output of tk_attention_bwd (linear in batch).");
+  m.def("attention_mask_workspace_bytes", &tk::attention::mask_workspace_bytes, nb::arg("batch"), nb::arg("seq_q"),
+        nb::arg("seq_k"), nb::arg("segment_ids"),
+        "Bytes of the mask workspace output of tk_attention_fwd and tk_attention_bwd (linear in batch).");
   m.def("based_conventions", &based_conventions);
   m.def("multiprocessor_count", &multiprocessor_count, nb::arg("device_ordinal"));
   m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);

@@ -31,43 +31,88 @@ def attention_kernel_unsupported(q, k, v) -> str | None:
     return None
 
 
-def attention_fwd(q, k, v, *, scale: float, window_left: int, window_right: int):
+def _mask_operands(q, k, q_segment_ids, kv_segment_ids, q_seq_lengths, kv_seq_lengths,
+                   bottom_right):
+    """The mask operands and attributes both attention calls take: the four int32 arrays (a
+    one-element placeholder for an absent pair; the attribute says which pairs are real) and
+    the mask workspace's size. Segment ids come both or neither; a missing length of a given
+    pair is the whole sequence."""
+    *lead, seq_q = q.shape[:-2]
+    seq_k = k.shape[-3]
+    batch = math.prod(lead)
+    has_segment_ids = q_segment_ids is not None or kv_segment_ids is not None
+    if has_segment_ids and (q_segment_ids is None or kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids come together: pass both or neither")
+    has_seq_lengths = q_seq_lengths is not None or kv_seq_lengths is not None
+    placeholder = jnp.zeros((1,), jnp.int32)
+    if has_segment_ids:
+        segment_ids = (jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32))
+    else:
+        segment_ids = (placeholder, placeholder)
+    if has_seq_lengths:
+        lengths = tuple(jnp.full(tuple(lead), full, jnp.int32) if x is None else jnp.asarray(x, jnp.int32)
+                        for x, full in ((q_seq_lengths, seq_q), (kv_seq_lengths, seq_k)))
+    else:
+        lengths = (placeholder, placeholder)
+    workspace_bytes = _tk.attention_mask_workspace_bytes(batch, seq_q, seq_k, has_segment_ids)
+    attrs = dict(has_segment_ids=np.bool_(has_segment_ids), has_seq_lengths=np.bool_(has_seq_lengths),
+                 bottom_right=np.bool_(bottom_right))
+    return (*segment_ids, *lengths), jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8), attrs
+
+
+def attention_fwd(q, k, v, *, scale: float, window_left: int, window_right: int,
+                  q_segment_ids=None, kv_segment_ids=None, q_seq_lengths=None, kv_seq_lengths=None,
+                  bottom_right: bool = True):
     """(o, lse) from the forward kernel. q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D];
-    lse [B, Hq, Tq] float32. Under vmap, extra leading axes fold into the batch in C++."""
+    lse [B, Hq, Tq] float32. Masks (cpp/kernels/attention/attention.h, MaskParams): segment ids
+    [B, Tq] / [B, Tk] int32, both or neither; lengths [B] int32 (a missing one of the pair is the
+    whole sequence; the kernel clamps them to [0, T]); bottom_right aligns the causal / window
+    diagonal at kv_len - q_len, else at 0 (jax.nn's top-left). Under vmap, extra leading axes
+    fold into the batch in C++, the masks' with q's."""
     *lead, seq_q, heads_q, _ = q.shape
+    masks, mask_workspace, mask_attrs = _mask_operands(
+        q, k, q_segment_ids, kv_segment_ids, q_seq_lengths, kv_seq_lengths, bottom_right)
     out_types = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((*lead, heads_q, seq_q), jnp.float32),
+        mask_workspace,
     )
     call = jax.ffi.ffi_call("tk_attention_fwd", out_types, vmap_method="broadcast_all")
-    return call(q, k, v, scale=np.float32(scale), window_left=np.int64(window_left),
-                window_right=np.int64(window_right))
+    o, lse, _ = call(q, k, v, *masks, scale=np.float32(scale), window_left=np.int64(window_left),
+                     window_right=np.int64(window_right), **mask_attrs)
+    return o, lse
 
 
-def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: int, window_right: int):
+def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: int, window_right: int,
+                  q_segment_ids=None, kv_segment_ids=None, q_seq_lengths=None, kv_seq_lengths=None,
+                  bottom_right: bool = True):
     """(dq, dk, dv) from the backward kernel, in the dtypes of q, k, v.
 
     q, o, do [B, Tq, Hq, D], k, v [B, Tk, Hkv, D], lse [B, Hq, Tq] as attention_fwd returns it,
-    dlse the cotangent of lse or None. For None the call gets zeros: the handler keeps one fixed
-    list of buffers, at a cost of 8 bytes a query row (written, then read) next to the 4 D bytes
-    of do and o it reads anyway. The kernels' scratch memory is one more output of the call,
-    of the size the extension says. Under vmap, extra leading axes fold into the batch in C++
-    (the workspace's size is linear in the batch).
+    dlse the cotangent of lse or None, the masks as attention_fwd takes them. For dlse None the
+    call gets zeros: the handler keeps one fixed list of buffers, at a cost of 8 bytes a query
+    row (written, then read) next to the 4 D bytes of do and o it reads anyway. The kernels'
+    scratch memory is two more outputs of the call, of the sizes the extension says. Under vmap,
+    extra leading axes fold into the batch in C++ (the workspaces' sizes are linear in the
+    batch).
     """
     *lead, seq_q, heads_q, head_dim = q.shape
     workspace_bytes = _tk.attention_backward_workspace_bytes(math.prod(lead), heads_q, seq_q, head_dim)
+    masks, mask_workspace, mask_attrs = _mask_operands(
+        q, k, q_segment_ids, kv_segment_ids, q_seq_lengths, kv_seq_lengths, bottom_right)
     out_types = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype),
         jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8),
+        mask_workspace,
     )
     if dlse is None:
         dlse = jnp.zeros_like(lse)
     call = jax.ffi.ffi_call("tk_attention_bwd", out_types, vmap_method="broadcast_all")
-    dq, dk, dv, _ = call(q, k, v, o.astype(q.dtype), do.astype(q.dtype), lse, dlse.astype(jnp.float32),
-                         scale=np.float32(scale), window_left=np.int64(window_left),
-                         window_right=np.int64(window_right))
+    dq, dk, dv, _, _ = call(q, k, v, o.astype(q.dtype), do.astype(q.dtype), lse, dlse.astype(jnp.float32),
+                            *masks, scale=np.float32(scale), window_left=np.int64(window_left),
+                            window_right=np.int64(window_right), **mask_attrs)
     return dq, dk, dv
 
 

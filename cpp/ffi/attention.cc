@@ -15,9 +15,67 @@ namespace {
 
 ffi::Error invalid(const std::string& msg) { return ffi::Error::InvalidArgument("tk_attention_fwd: " + msg); }
 
+bool same_dims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); i++)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
+// The leading `n` dimensions of `dims`.
+ffi::Span<const int64_t> leading(ffi::Span<const int64_t> dims, size_t n) { return {dims.begin(), n}; }
+
+std::string dims_str(ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); i++) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// The optional masks of both handlers. The four int32 arrays are always passed; without segment
+// ids (lengths) the attribute says so and their buffers are placeholders, never read. Segment ids
+// have the shape of q's (k's) leading dims and sequence, [..., seq], lengths that of the leading
+// dims, [...] (vmap's leading axes fold into the batch like q's). The mask workspace is
+// mask_workspace_bytes(batch, seq_q, seq_k, has_segment_ids) bytes. Returns an empty string, or
+// what is wrong.
+std::string decode_mask(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd, ffi::Buffer<ffi::S32> q_segment_ids,
+                        ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::S32> q_lengths,
+                        ffi::Buffer<ffi::S32> kv_lengths, ffi::Result<ffi::Buffer<ffi::U8>>& workspace,
+                        bool has_segment_ids, bool has_seq_lengths, bool bottom_right, int64_t batch,
+                        tk::attention::MaskParams& mask) {
+  const size_t r = qd.size();
+  if (has_segment_ids) {
+    if (!same_dims(q_segment_ids.dimensions(), leading(qd, r - 2)))
+      return "q_segment_ids must be " + dims_str(leading(qd, r - 2)) + " (q's batch and sequence), got " +
+             dims_str(q_segment_ids.dimensions());
+    if (!same_dims(kv_segment_ids.dimensions(), leading(kd, r - 2)))
+      return "kv_segment_ids must be " + dims_str(leading(kd, r - 2)) + " (k's batch and sequence), got " +
+             dims_str(kv_segment_ids.dimensions());
+    mask.q_segment_ids = q_segment_ids.typed_data();
+    mask.kv_segment_ids = kv_segment_ids.typed_data();
+  }
+  if (has_seq_lengths) {
+    for (const auto* x : {&q_lengths, &kv_lengths})
+      if (!same_dims(x->dimensions(), leading(qd, r - 3)))
+        return "q_seq_lengths and kv_seq_lengths must be " + dims_str(leading(qd, r - 3)) + " (the batch), got " +
+               dims_str(q_lengths.dimensions()) + " and " + dims_str(kv_lengths.dimensions());
+    mask.q_lengths = q_lengths.typed_data();
+    mask.kv_lengths = kv_lengths.typed_data();
+  }
+  const size_t bytes = tk::attention::mask_workspace_bytes(batch, qd[r - 3], kd[r - 3], has_segment_ids);
+  if (workspace->size_bytes() != bytes)
+    return "the mask workspace must hold attention_mask_workspace_bytes(batch, seq_q, seq_k, has_segment_ids) = " +
+           std::to_string(bytes) + " bytes, got " + std::to_string(workspace->size_bytes());
+  mask.workspace = workspace->untyped_data();
+  mask.bottom_right = bottom_right;
+  return "";
+}
+
 ffi::Error AttentionForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
-                            int64_t window_left, int64_t window_right) {
+                            ffi::Buffer<ffi::S32> q_segment_ids, ffi::Buffer<ffi::S32> kv_segment_ids,
+                            ffi::Buffer<ffi::S32> q_lengths, ffi::Buffer<ffi::S32> kv_lengths,
+                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                            ffi::Result<ffi::Buffer<ffi::U8>> mask_workspace, float scale, int64_t window_left,
+                            int64_t window_right, bool has_segment_ids, bool has_seq_lengths, bool bottom_right) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() < 4 || kd.size() != qd.size() || vd.size() != qd.size())
     return invalid("q, k, v must have the same rank >= 4, got q " + shape_str(q) + ", k " + shape_str(k) +
@@ -60,6 +118,10 @@ ffi::Error AttentionForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   p.window_left = int(window_left);
   p.window_right = int(window_right);
   p.dtype = dtype == ffi::BF16 ? tk::attention::DType::bf16 : tk::attention::DType::fp16;
+  if (const std::string why = decode_mask(qd, kd, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, mask_workspace,
+                                          has_segment_ids, has_seq_lengths, bottom_right, batch, p.mask);
+      !why.empty())
+    return invalid(why);
   if (const char* why = tk::attention::forward_unsupported(p)) return invalid(why);
 
   const cudaError_t err = tk::attention::forward(p, stream);
@@ -71,18 +133,14 @@ ffi::Error invalid_bwd(const std::string& msg) {
   return ffi::Error::InvalidArgument("tk_attention_bwd: " + msg);
 }
 
-bool same_dims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); i++)
-    if (a[i] != b[i]) return false;
-  return true;
-}
-
 ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::AnyBuffer o, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
-                             ffi::Buffer<ffi::F32> dlse, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale,
-                             int64_t window_left, int64_t window_right) {
+                             ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_segment_ids,
+                             ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::S32> q_lengths,
+                             ffi::Buffer<ffi::S32> kv_lengths, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                             ffi::Result<ffi::Buffer<ffi::U8>> mask_workspace, float scale, int64_t window_left,
+                             int64_t window_right, bool has_segment_ids, bool has_seq_lengths, bool bottom_right) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() < 4 || kd.size() != qd.size()) return invalid_bwd("q and k must have the same rank >= 4");
   const size_t r = qd.size();
@@ -138,6 +196,10 @@ ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   if (workspace->size_bytes() != workspace_bytes)
     return invalid_bwd("the workspace must hold attention_backward_workspace_bytes(batch, heads_q, seq_q, head_dim) = " +
                        std::to_string(workspace_bytes) + " bytes, got " + std::to_string(workspace->size_bytes()));
+  if (const std::string why = decode_mask(qd, kd, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, mask_workspace,
+                                          has_segment_ids, has_seq_lengths, bottom_right, batch, p.mask);
+      !why.empty())
+    return invalid_bwd(why);
   if (const char* why = tk::attention::backward_unsupported(p)) return invalid_bwd(why);
 
   const cudaError_t err = tk::attention::backward(p, stream);
@@ -151,7 +213,8 @@ ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
 // kCmdBufferCompatible: XLA may record these calls into a CUDA graph and replay it. Safe: the
 // handlers only check shapes, build TMA tensor maps on the host (no stream work) and enqueue
 // kernels / cudaMemsetAsync on the given stream; no host sync, no allocation, no host reads of
-// device data (the backward's scratch memory is an explicit output, the workspace).
+// device data (the scratch memory of the backward and of the segment ranges is an explicit
+// output, a workspace).
 // tests/test_command_buffer_gpu.py.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_bwd, AttentionBackward,
                               ffi::Ffi::Bind()
@@ -163,13 +226,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_bwd, AttentionBackward,
                                   .Arg<ffi::AnyBuffer>()            // dout
                                   .Arg<ffi::Buffer<ffi::F32>>()     // lse, as the forward returns it
                                   .Arg<ffi::Buffer<ffi::F32>>()     // dlse, the gradient of lse (or zeros)
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // q_segment_ids (placeholder without)
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // kv_segment_ids
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // q_seq_lengths (placeholder without)
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // kv_seq_lengths
                                   .Ret<ffi::AnyBuffer>()            // dq
                                   .Ret<ffi::AnyBuffer>()            // dk
                                   .Ret<ffi::AnyBuffer>()            // dv
                                   .Ret<ffi::Buffer<ffi::U8>>()      // workspace
+                                  .Ret<ffi::Buffer<ffi::U8>>()      // mask workspace
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right"),
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<bool>("has_segment_ids")
+                                  .Attr<bool>("has_seq_lengths")
+                                  .Attr<bool>("bottom_right"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_fwd, AttentionForward,
@@ -178,9 +249,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_attention_fwd, AttentionForward,
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_segment_ids (placeholder without)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_segment_ids
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_seq_lengths (placeholder without)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_seq_lengths
                                   .Ret<ffi::AnyBuffer>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // mask workspace
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right"),
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<bool>("has_segment_ids")
+                                  .Attr<bool>("has_seq_lengths")
+                                  .Attr<bool>("bottom_right"),
                               {ffi::Traits::kCmdBufferCompatible});
