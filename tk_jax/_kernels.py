@@ -55,7 +55,9 @@ def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: 
     (the workspace's size is linear in the batch).
     """
     *lead, seq_q, heads_q, head_dim = q.shape
-    workspace_bytes = _tk.attention_backward_workspace_bytes(math.prod(lead), heads_q, seq_q, head_dim)
+    seq_k, heads_kv = k.shape[-3], k.shape[-2]
+    workspace_bytes = _tk.attention_backward_workspace_bytes(math.prod(lead), heads_q, heads_kv, seq_q, seq_k,
+                                                             head_dim)
     out_types = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(k.shape, k.dtype),
