@@ -27,14 +27,16 @@ struct BackwardArgs {
 // group / s query heads and adds its dK and dV into the workspace's fp32 accumulators). The
 // backward keeps whole key blocks per thread block, so under GQA it has heads_q / heads_kv
 // times fewer blocks, each that much longer, than MHA of the same shape: at MQA, B2 T2k gives
-// 32 blocks for 132 SMs, and a few waves of long causal blocks end unevenly. So the smallest s
-// that gives BACKWARD_MIN_BLOCKS_PER_SM blocks an SM, each extra split costing one fp32 add of
-// the block's dK and dV.
-constexpr int BACKWARD_MIN_BLOCKS_PER_SM = 8;
+// 32 blocks for 132 SMs (fwd+bwd 109 TFLOP/s on an H100), and a few waves of long causal blocks
+// end unevenly (32/4 heads B4 T4k: 399). So the smallest s that gives a few blocks an SM, each
+// extra split costing one fp32 add of the block's dK and dV: 8 under a band, whose blocks
+// differ in length, 4 otherwise (same-card A/B in docs/DESIGN.md: MQA 109 -> 421, 32/4
+// 399 -> 548; unmasked 32/4 T16k 618 with one split, 621 at 4 an SM, 592 at 8).
 inline int backward_head_splits(const BackwardParams& p, int key_rows, int sms) {
   const int group = p.heads_q / p.heads_kv;
   const int64_t blocks = int64_t((p.seq_k + key_rows - 1) / key_rows) * p.heads_kv * p.batch;
-  const int64_t wanted = int64_t(BACKWARD_MIN_BLOCKS_PER_SM) * sms;
+  const bool banded = p.window_left >= 0 || p.window_right >= 0;
+  const int64_t wanted = int64_t(banded ? 8 : 4) * sms;
   for (int s = 1; s < group; s++)
     if (group % s == 0 && blocks * s >= wanted) return s;
   return group;
