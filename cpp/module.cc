@@ -69,7 +69,7 @@ NB_MODULE(_tk, m) {
   for (int d : tk::attention::HEAD_DIMS) head_dims.append(d);
   m.attr("attention_head_dims") = nb::tuple(head_dims);
   m.def("attention_backward_workspace_bytes", &tk::attention::backward_workspace_bytes, nb::arg("batch"),
-        nb::arg("heads_q"), nb::arg("seq_q"), nb::arg("head_dim"),
+        nb::arg("heads_q"), nb::arg("heads_kv"), nb::arg("seq_q"), nb::arg("seq_k"), nb::arg("head_dim"),
         "Bytes of the workspace output of tk_attention_bwd (linear in batch).");
   m.def("attention_mask_workspace_bytes", &tk::attention::mask_workspace_bytes, nb::arg("batch"), nb::arg("seq_q"),
         nb::arg("seq_k"), nb::arg("segment_ids"),

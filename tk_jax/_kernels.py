@@ -97,7 +97,9 @@ def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: 
     batch).
     """
     *lead, seq_q, heads_q, head_dim = q.shape
-    workspace_bytes = _tk.attention_backward_workspace_bytes(math.prod(lead), heads_q, seq_q, head_dim)
+    seq_k, heads_kv = k.shape[-3], k.shape[-2]
+    workspace_bytes = _tk.attention_backward_workspace_bytes(math.prod(lead), heads_q, heads_kv, seq_q, seq_k,
+                                                             head_dim)
     masks, mask_workspace, mask_attrs = _mask_operands(
         q, k, q_segment_ids, kv_segment_ids, q_seq_lengths, kv_seq_lengths, bottom_right)
     out_types = (

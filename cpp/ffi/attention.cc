@@ -192,9 +192,11 @@ ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   p.window_left = int(window_left);
   p.window_right = int(window_right);
   p.dtype = dtype == ffi::BF16 ? tk::attention::DType::bf16 : tk::attention::DType::fp16;
-  const size_t workspace_bytes = tk::attention::backward_workspace_bytes(p.batch, p.heads_q, p.seq_q, p.head_dim);
+  const size_t workspace_bytes =
+      tk::attention::backward_workspace_bytes(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim);
   if (workspace->size_bytes() != workspace_bytes)
-    return invalid_bwd("the workspace must hold attention_backward_workspace_bytes(batch, heads_q, seq_q, head_dim) = " +
+    return invalid_bwd("the workspace must hold attention_backward_workspace_bytes(batch, heads_q, heads_kv, seq_q, "
+                       "seq_k, head_dim) = " +
                        std::to_string(workspace_bytes) + " bytes, got " + std::to_string(workspace->size_bytes()));
   if (const std::string why = decode_mask(qd, kd, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, mask_workspace,
                                           has_segment_ids, has_seq_lengths, bottom_right, batch, p.mask);

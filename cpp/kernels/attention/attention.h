@@ -89,7 +89,8 @@ struct BackwardParams {
 
 // Bytes of scratch memory the backward needs (what its passes hand each other). Linear in batch:
 // callers that fold extra leading axes into the batch may size it per batch and multiply.
-size_t backward_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seq_q, int64_t head_dim);
+size_t backward_workspace_bytes(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t seq_k,
+                                int64_t head_dim);
 
 const char* backward_unsupported(const BackwardParams& p);
 

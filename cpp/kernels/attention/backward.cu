@@ -1,9 +1,11 @@
 // Checks and dispatch for the attention backward launcher: the row statistics, the zeroed dQ
-// accumulator, the backward kernel for the head dim, then dq out of the accumulator.
+// accumulator (and dK / dV ones when a KV head's query heads are split over blocks), the
+// backward kernel for the head dim, then dq (and dk, dv) out of the accumulators.
 #include <cmath>
 #include <cstdint>
 
 #include "attention.h"
+#include "backward_dkv_output_kernel.cuh"
 #include "backward_dq_output_kernel.cuh"
 #include "backward_kernel.cuh"
 #include "backward_row_stats_kernel.cuh"
@@ -12,9 +14,10 @@
 
 namespace tk::attention {
 
-size_t backward_workspace_bytes(int64_t batch, int64_t heads_q, int64_t seq_q, int64_t head_dim) {
-  if (batch < 1 || heads_q < 1 || seq_q < 1 || head_dim < 1) return 0;
-  return backward_workspace::floats(batch, heads_q, seq_q, head_dim) * sizeof(float);
+size_t backward_workspace_bytes(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t seq_k,
+                                int64_t head_dim) {
+  if (batch < 1 || heads_q < 1 || heads_kv < 1 || seq_q < 1 || seq_k < 1 || head_dim < 1) return 0;
+  return backward_workspace::floats(batch, heads_q, heads_kv, seq_q, seq_k, head_dim) * sizeof(float);
 }
 
 const char* backward_unsupported(const BackwardParams& p) {
@@ -35,13 +38,20 @@ const char* backward_unsupported(const BackwardParams& p) {
 template <typename T, int D>
 static cudaError_t backward_with(const BackwardParams& p, cudaStream_t stream) {
   const backward_workspace ws = backward_workspace::of(p);
-  cudaError_t err = launch_row_stats<T, D>(p, ws, stream);
+  int sms = 0;
+  cudaError_t err = multiprocessor_count(&sms);
+  constexpr int key_rows = D == 256 ? split_backward_config<D>::KV_ROWS : backward_config<D>::KV_ROWS;
+  const int head_splits = err == cudaSuccess ? backward_head_splits(p, key_rows, sms) : 1;
+  if (err == cudaSuccess) err = launch_row_stats<T, D>(p, ws, stream);
   if (err == cudaSuccess) err = cudaMemsetAsync(ws.dq_accum, 0, ws.dq_accum_floats * sizeof(float), stream);
+  if (err == cudaSuccess && head_splits > 1)  // dK then dV: adjacent in the workspace
+    err = cudaMemsetAsync(ws.dk_accum, 0, 2 * ws.dkv_accum_floats * sizeof(float), stream);
   if (err == cudaSuccess) {
-    if constexpr (D == 256) err = launch_split_backward<T, D>(p, ws, stream);
-    else err = launch_backward<T, D>(p, ws, stream);
+    if constexpr (D == 256) err = launch_split_backward<T, D>(p, ws, head_splits, stream);
+    else err = launch_backward<T, D>(p, ws, head_splits, stream);
   }
   if (err == cudaSuccess) err = launch_dq_output<T, D>(p, ws, stream);
+  if (err == cudaSuccess && head_splits > 1) err = launch_dkv_output<T, D>(p, ws, stream);
   return err;
 }
 

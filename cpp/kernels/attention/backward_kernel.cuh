@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   const int kv_h = block.kv_h, b = block.b;
   const int k0 = block.index * config::KV_ROWS;
   const band mask_band = band::of(p);
-  const query_walk walk = query_walk::of(p, mask_band, kv_h, k0, config::KV_ROWS);
+  const query_walk walk = query_walk::of(p, mask_band, kv_h, k0, config::KV_ROWS, block.split, args.head_splits);
   const int steps = walk.steps;
 
   if (threadIdx.x == 0) {
@@ -232,15 +232,13 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       else step.template operator()<false>(i, tile.q0);
     }
 
-    const auto dK = gl<T>::contiguous((T*)p.dk, p.batch, p.seq_k, p.heads_kv, D);
-    const auto dV = gl<T>::contiguous((T*)p.dv, p.batch, p.seq_k, p.heads_kv, D);
-    store(dK, dk, {b, kv_h, key0});
-    store(dV, dv, {b, kv_h, key0});
+    store_key_gradients<T, D>(args, dk, dv, b, kv_h, key0);
   }
 }
 
 template <typename T, int D>
-cudaError_t launch_backward(const BackwardParams& p, const backward_workspace& ws, cudaStream_t stream) {
+cudaError_t launch_backward(const BackwardParams& p, const backward_workspace& ws, int head_splits,
+                            cudaStream_t stream) {
   using config = backward_config<D>;
   BackwardArgs args{};
   // Under a band the key blocks differ in length, and pairs interleave heaviest first in
@@ -248,10 +246,11 @@ cudaError_t launch_backward(const BackwardParams& p, const backward_workspace& w
   // causal fwd+bwd +1-2% at 2k-8k (docs/DESIGN.md). Otherwise one pair per group:
   // interleaving lost 2-9% on unmasked D = 64.
   const size_t group_l2_bytes = p.window_right >= 0 ? BACKWARD_GROUP_L2_BYTES : 0;
-  if (cudaError_t err = prepare_backward<T, D>(args, p, ws, 64, group_l2_bytes); err != cudaSuccess) return err;
+  if (cudaError_t err = prepare_backward<T, D>(args, p, ws, 64, group_l2_bytes, head_splits); err != cudaSuccess)
+    return err;
   constexpr int smem = int(sizeof(backward_shared<T, D>)) + 1024;
   static_assert(smem <= 227 * 1024, "the backward's shared memory exceeds the H100's 227 KB");
-  const dim3 grid((p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS, p.heads_kv, p.batch);
+  const dim3 grid((p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS, p.heads_kv * head_splits, p.batch);
   return launch_with_shared<backward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);
 }
 

@@ -108,7 +108,8 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
   // own no keys at all when the key blocks are odd in number: its masks then zero every step).
   const int rank = cluster::rank();
   const int pair_k0 = k0 - rank * config::KV_ROWS;
-  const query_walk walk = query_walk::of(p, mask_band, kv_h, pair_k0, config::CLUSTER * config::KV_ROWS);
+  const query_walk walk =
+      query_walk::of(p, mask_band, kv_h, pair_k0, config::CLUSTER * config::KV_ROWS, block.split, args.head_splits);
 
   if (threadIdx.x == 0) {
     tma::init(s.kv_full, 1);
@@ -193,25 +194,27 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
     s.stage_slots.release(i);
   }
 
-  T* out = (T*)(p_role ? p.dv : p.dk);
-  store(gl<T>::contiguous(out, p.batch, p.seq_k, p.heads_kv, D), grad, {b, kv_h, key0});
+  store_key_gradient<T, D>(args, grad, p_role ? p.dv : p.dk, p_role ? args.ws.dv_accum : args.ws.dk_accum, b, kv_h,
+                           key0);
   cluster::sync();  // the partner's last remote arrive on this block's barriers has landed
 }
 
 template <typename T, int D>
-cudaError_t launch_split_backward(const BackwardParams& p, const backward_workspace& ws, cudaStream_t stream) {
+cudaError_t launch_split_backward(const BackwardParams& p, const backward_workspace& ws, int head_splits,
+                                  cudaStream_t stream) {
   using config = split_backward_config<D>;
   BackwardArgs args{};
   // Pairs interleave in L2-sized groups (BACKWARD_GROUP_L2_BYTES), masked or not: +3-5% fwd+bwd
   // at 2k-4k over one pair at a time (docs/DESIGN.md).
-  if (cudaError_t err = prepare_backward<T, D>(args, p, ws, config::KV_ROWS, BACKWARD_GROUP_L2_BYTES);
+  if (cudaError_t err = prepare_backward<T, D>(args, p, ws, config::KV_ROWS, BACKWARD_GROUP_L2_BYTES, head_splits);
       err != cudaSuccess)
     return err;
   static_assert(sizeof(split_backward_shared<T, D>) + 1024 <= 227 * 1024,
                 "over the 227 KB of shared memory a block may use");
   const int smem = int(sizeof(split_backward_shared<T, D>)) + 1024;
   const int key_blocks = (p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS;
-  const dim3 grid((key_blocks + config::CLUSTER - 1) / config::CLUSTER * config::CLUSTER, p.heads_kv, p.batch);
+  const dim3 grid((key_blocks + config::CLUSTER - 1) / config::CLUSTER * config::CLUSTER, p.heads_kv * head_splits,
+                  p.batch);
   return launch_with_shared<split_backward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);
 }
 

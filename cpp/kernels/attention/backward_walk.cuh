@@ -19,7 +19,28 @@ struct BackwardArgs {
   BackwardParams p;
   backward_workspace ws;      // the accumulator to add dQ into; lse2 and delta
   int pairs_per_group;        // (batch, KV head) pairs whose blocks interleave; see key_block_of
+  int head_splits;            // blocks that share a key block's query heads (backward_head_splits)
 };
+
+// How many blocks share the query heads of one key block and KV head: 1 (dK and dV summed in
+// registers over the whole GQA group, then stored) or a divisor s of the group (each block walks
+// group / s query heads and adds its dK and dV into the workspace's fp32 accumulators). The
+// backward keeps whole key blocks per thread block, so under GQA it has heads_q / heads_kv
+// times fewer blocks, each that much longer, than MHA of the same shape: at MQA, B2 T2k gives
+// 32 blocks for 132 SMs (fwd+bwd 109 TFLOP/s on an H100), and a few waves of long causal blocks
+// end unevenly (32/4 heads B4 T4k: 399). So the smallest s that gives a few blocks an SM, each
+// extra split costing one fp32 add of the block's dK and dV: 8 under a band, whose blocks
+// differ in length, 4 otherwise (same-card A/B in docs/DESIGN.md: MQA 109 -> 421, 32/4
+// 399 -> 548; unmasked 32/4 T16k 618 with one split, 621 at 4 an SM, 592 at 8).
+inline int backward_head_splits(const BackwardParams& p, int key_rows, int sms) {
+  const int group = p.heads_q / p.heads_kv;
+  const int64_t blocks = int64_t((p.seq_k + key_rows - 1) / key_rows) * p.heads_kv * p.batch;
+  const bool banded = p.window_left >= 0 || p.window_right >= 0;
+  const int64_t wanted = int64_t(banded ? 8 : 4) * sms;
+  for (int s = 1; s < group; s++)
+    if (group % s == 0 && blocks * s >= wanted) return s;
+  return group;
+}
 
 // The L2 budget of a group of (batch, KV head) pairs whose blocks interleave (key_block_of):
 // their Q, dO and dQ accumulator fill at most 32 MB of the 50 MB L2.
@@ -27,20 +48,23 @@ constexpr size_t BACKWARD_GROUP_L2_BYTES = size_t(32) << 20;
 
 // The arguments of a backward kernel for element type T: its tensor maps and the size of its
 // groups of (batch, KV head) pairs (key_block_of), which hold at most `group_l2_bytes` of Q, dO
-// and dQ accumulator; 0 makes every group one pair.
+// and dQ accumulator; 0 makes every group one pair. head_splits: backward_head_splits.
 template <typename T, int D>
 cudaError_t prepare_backward(BackwardArgs& args, const BackwardParams& p, const backward_workspace& ws, int kv_rows,
-                             size_t group_l2_bytes) {
+                             size_t group_l2_bytes, int head_splits) {
   args.p = p;
   args.ws = ws;
+  args.head_splits = head_splits;
   const bool bf = std::is_same_v<T, bf16>;
   if (!tma::make_bshd_map(&args.q, p.q, bf, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE) ||
       !tma::make_bshd_map(&args.dout, p.dout, bf, p.batch, p.seq_q, p.heads_q, D, BACKWARD_Q_TILE) ||
       !tma::make_bshd_map(&args.k, p.k, bf, p.batch, p.seq_k, p.heads_kv, D, kv_rows) ||
       !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, kv_rows))
     return cudaErrorInvalidValue;
-  const size_t pair_bytes = size_t(p.seq_q) * (p.heads_q / p.heads_kv) * D * (2 * sizeof(T) + sizeof(float));
-  const int pairs = p.batch * p.heads_kv;
+  // A pair here is (batch, KV head and head split): its query heads' Q, dO and dQ accumulator.
+  const size_t pair_bytes =
+      size_t(p.seq_q) * (p.heads_q / p.heads_kv / head_splits) * D * (2 * sizeof(T) + sizeof(float));
+  const int pairs = p.batch * p.heads_kv * head_splits;
   args.pairs_per_group = int(std::clamp<size_t>(group_l2_bytes / pair_bytes, 1, size_t(pairs)));
   return cudaSuccess;
 }
@@ -53,8 +77,9 @@ cudaError_t prepare_backward(BackwardArgs& args, const BackwardParams& p, const 
 // then key block 1, and so on. Groups of one pair give the plain order, pair after pair.
 // With clusters of `cluster` blocks along x, the unit is a run of `cluster` neighbouring key
 // blocks, so that a cluster's blocks share the batch and KV head.
+// The grid's y axis counts (KV head, head split) pairs: y = kv_h * head_splits + split.
 struct key_block_of {
-  int index, kv_h, b;
+  int index, kv_h, split, b;
 
   __device__ static key_block_of this_block(const BackwardArgs& args, int cluster = 1) {
     const int runs = gridDim.x / cluster, pairs = gridDim.y * gridDim.z;
@@ -63,28 +88,50 @@ struct key_block_of {
     const int group = min(args.pairs_per_group, pairs - first_pair);
     const int in_group = linear - first_pair * runs;
     const int pair = first_pair + in_group % group;
-    return {in_group / group * cluster + int(blockIdx.x) % cluster, pair % int(gridDim.y), pair / int(gridDim.y)};
+    const int y = pair % int(gridDim.y);
+    return {in_group / group * cluster + int(blockIdx.x) % cluster, y / args.head_splits, y % args.head_splits,
+            pair / int(gridDim.y)};
   }
 };
 
-// A block owning keys [k0, k0 + rows) of KV head kv_h visits, step by step, every query tile
-// (BACKWARD_Q_TILE rows) of every query head of its GQA group that can see one of those keys.
-struct query_walk {
-  int kv_h, group, first_tile, tiles_per_head, steps;
+// A warp's 16 rows of dK or dV from key0 on, `out` in the output's dtype when its block walked
+// the whole GQA group (head_splits 1); else the block's share, added into the fp32 accumulator
+// `accum` (backward_workspace.cuh), which the dK / dV output pass converts.
+template <typename T, int D>
+__device__ __forceinline__ void store_key_gradient(const BackwardArgs& args, rt_fl<16, D>& grad, void* out,
+                                                   float* accum, int b, int kv_h, int key0) {
+  const BackwardParams& p = args.p;
+  if (args.head_splits == 1) store(gl<T>::contiguous((T*)out, p.batch, p.seq_k, p.heads_kv, D), grad, {b, kv_h, key0});
+  else if (key0 < p.seq_k) atomic_add_fragments(args.ws.key_group<D>(accum, b, kv_h, key0), grad);
+}
 
-  __device__ static query_walk of(const BackwardParams& p, const band& mask_band, int kv_h, int k0, int rows) {
-    const int group = p.heads_q / p.heads_kv;
+template <typename T, int D>
+__device__ __forceinline__ void store_key_gradients(const BackwardArgs& args, rt_fl<16, D>& dk, rt_fl<16, D>& dv,
+                                                    int b, int kv_h, int key0) {
+  store_key_gradient<T, D>(args, dk, args.p.dk, args.ws.dk_accum, b, kv_h, key0);
+  store_key_gradient<T, D>(args, dv, args.p.dv, args.ws.dv_accum, b, kv_h, key0);
+}
+
+// A block owning keys [k0, k0 + rows) of KV head kv_h visits, step by step, every query tile
+// (BACKWARD_Q_TILE rows) that can see one of those keys, of its share of the query heads of
+// the GQA group: the group's heads split into `splits` equal shares, of which it takes `split`.
+struct query_walk {
+  int first_head, first_tile, tiles_per_head, steps;
+
+  __device__ static query_walk of(const BackwardParams& p, const band& mask_band, int kv_h, int k0, int rows,
+                                  int split, int splits) {
+    const int heads = p.heads_q / p.heads_kv / splits;
     const key_range queries = mask_band.queries_of(k0, min(k0 + rows, p.seq_k) - 1);
     const int first_tile = queries.lo / BACKWARD_Q_TILE;
     const int tiles = queries.hi > queries.lo ? (queries.hi + BACKWARD_Q_TILE - 1) / BACKWARD_Q_TILE - first_tile : 0;
-    return {kv_h, group, first_tile, tiles, tiles * group};
+    return {(kv_h * splits + split) * heads, first_tile, tiles, tiles * heads};
   }
   // The walk's steps in order: the query tiles of one head, then the next head's. Kernels
   // advance a cursor step by step instead of dividing the step index.
   struct tile {
     int head, q0;  // query head and first query row
   };
-  __device__ tile first() const { return {kv_h * group, first_tile * BACKWARD_Q_TILE}; }
+  __device__ tile first() const { return {first_head, first_tile * BACKWARD_Q_TILE}; }
   __device__ void advance(tile& t) const {
     t.q0 += BACKWARD_Q_TILE;
     if (t.q0 == (first_tile + tiles_per_head) * BACKWARD_Q_TILE) {

@@ -10,6 +10,11 @@
 //   lse2      [batch, heads_q, seq_q_padded] float32: log2(e) lse; +inf for rows that saw no key
 //             (so that their P = 2^(c S - lse2) is 0) and on padding.
 //   delta     [batch, heads_q, seq_q_padded] float32: scale (rowsum(dO o O) - dlse); 0 on padding.
+//   dk_accum, dv_accum  [batch, heads_kv, seq_k / 16 (rounded up), 16 x head_dim] float32, only
+//             under GQA (heads_q > heads_kv): dK and dV summed over the blocks that split a KV
+//             head's query heads among them (backward_head_splits). Each group of 16 key rows
+//             is one warp's register tile in fragment order (atomic_add_fragments), read back
+//             by load_global_fragments.
 // lse2 and delta are in the units the backward kernels use, so that they spend no multiply on
 // them, and rows are padded to whole query tiles.
 #pragma once
@@ -24,24 +29,40 @@ namespace tk::attention {
 // Query rows per step of the backward's walk: the rows of a dQ chunk, a tile of lse2 and delta.
 constexpr int BACKWARD_Q_TILE = 64;
 
+// Key rows per group of the dK / dV accumulators: one warp's register tile.
+constexpr int BACKWARD_KEY_GROUP = 16;
+
 struct backward_workspace {
   float* dq_accum;
   float* lse2;
   float* delta;
-  int heads_q, seq_q_padded;
-  size_t dq_accum_floats;
+  float* dk_accum;  // nullptr without GQA
+  float* dv_accum;
+  int heads_q, seq_q_padded, heads_kv, seq_k_padded;
+  size_t dq_accum_floats, dkv_accum_floats;  // the latter for each of dk_accum and dv_accum
 
   __host__ __device__ static int64_t padded(int64_t seq_q) {
     return (seq_q + BACKWARD_Q_TILE - 1) / BACKWARD_Q_TILE * BACKWARD_Q_TILE;
   }
-  // Floats of the whole workspace: the accumulator, then lse2 and delta.
-  static size_t floats(int64_t batch, int64_t heads_q, int64_t seq_q, int64_t head_dim) {
-    return size_t(batch * heads_q * padded(seq_q)) * size_t(head_dim + 2);
+  __host__ __device__ static int64_t padded_keys(int64_t seq_k) {
+    return (seq_k + BACKWARD_KEY_GROUP - 1) / BACKWARD_KEY_GROUP * BACKWARD_KEY_GROUP;
+  }
+  static size_t dkv_floats(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_k, int64_t head_dim) {
+    return heads_q > heads_kv ? size_t(batch * heads_kv * padded_keys(seq_k) * head_dim) : 0;
+  }
+  // Floats of the whole workspace: the dQ accumulator, lse2, delta, then dK's and dV's.
+  static size_t floats(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t seq_k,
+                       int64_t head_dim) {
+    return size_t(batch * heads_q * padded(seq_q)) * size_t(head_dim + 2) +
+           2 * dkv_floats(batch, heads_q, heads_kv, seq_k, head_dim);
   }
   static backward_workspace of(const BackwardParams& p) {
     const size_t rows = size_t(p.batch) * p.heads_q * padded(p.seq_q), dq_floats = rows * p.head_dim;
+    const size_t dkv = dkv_floats(p.batch, p.heads_q, p.heads_kv, p.seq_k, p.head_dim);
     float* base = static_cast<float*>(p.workspace);
-    return {base, base + dq_floats, base + dq_floats + rows, p.heads_q, int(padded(p.seq_q)), dq_floats};
+    float* dk = dkv ? base + dq_floats + 2 * rows : nullptr;
+    return {base, base + dq_floats, base + dq_floats + rows, dk, dk ? dk + dkv : nullptr,
+            p.heads_q, int(padded(p.seq_q)), p.heads_kv, int(padded_keys(p.seq_k)), dq_floats, dkv};
   }
 
   // Where query q of (batch b, head h) sits in lse2 and delta.
@@ -53,6 +74,11 @@ struct backward_workspace {
   __device__ __forceinline__ float* dq_chunk(int b, int h, int q0, int chunk) const {
     const int64_t tile = (int64_t(b) * heads_q + h) * (seq_q_padded / BACKWARD_Q_TILE) + q0 / BACKWARD_Q_TILE;
     return dq_accum + (tile * (D / 64) + chunk) * (BACKWARD_Q_TILE * 64);
+  }
+  // The 16 x D group of dK or dV accumulator rows that starts at key0 (a multiple of 16).
+  template <int D>
+  __device__ __forceinline__ float* key_group(float* accum, int b, int kv_h, int key0) const {
+    return accum + ((int64_t(b) * heads_kv + kv_h) * seq_k_padded + key0) * D;
   }
 };
 
