@@ -57,19 +57,6 @@ struct forward_config {
   static constexpr int PERSISTENT_MAX_KEYS = 4096;
 };
 
-template <typename T, int D, int C>
-struct forward_shared {
-  using config = forward_config<D, C>;
-  st<T, 64, D> q[C];
-  st<T, config::KV_ROWS, D> k[config::STAGES], v[config::STAGES];
-  // Q has a one-slot ring: in a persistent walk the consumers release it once an item's last
-  // scores have landed, so the next item's Q loads under the last P V and the write-out.
-  ring<1> q_ring;
-  // K and V have rings of their own: K_i is released as soon as its scores have landed, well
-  // before V_i is done, so the next K tile can load early.
-  ring<config::STAGES> k_ring, v_ring;
-};
-
 struct ForwardArgs {
   CUtensorMap q, k, v;  // boxes: 64 query rows, KV_ROWS key rows
   ForwardParams p;
@@ -86,11 +73,14 @@ __host__ __device__ inline int query_blocks(const ForwardParams& p) {
 // [first_tile, end_tile) that its band (and lengths) can see, less, with segment ids (SEG), the
 // tiles that share no segment with its queries (segment_ranges.cuh). The producer and the
 // consumers walk the same tiles with next_tile; first_tile is always visited when the range is
-// not empty.
+// not empty. The producer works items out (their lengths and segment ranges are loads from
+// global memory) and hands them to the consumers beside their Q (forward_shared::item), so
+// that the consumers never wait for those loads.
 struct forward_item {
   int q0, h, b, kv_h, first_tile, end_tile;
-  band mask_band;     // of batch row b
-  int seg_lo, seg_hi;  // SEG: the id range of the item's queries
+  band mask_band;           // of batch row b
+  int seg_lo, seg_hi;       // SEG: the id range of the item's queries
+  segment_span first_ids;   // SEG: the ids of key tile first_tile
 
   template <int Q_ROWS, int KV, bool SEG>
   __device__ static forward_item of(int q_block, int h, int b, const ForwardParams& p) {
@@ -98,7 +88,7 @@ struct forward_item {
     if (p.window_right >= 0) q_block = query_blocks<Q_ROWS>(p) - 1 - q_block;
     const int q0 = q_block * Q_ROWS, q_last = min(q0 + Q_ROWS, p.seq_q) - 1;
     key_range keys = mask_band.keys_of(q0, q_last);
-    forward_item w{q0, h, b, h / (p.heads_q / p.heads_kv), 0, 0, mask_band, 0, 0};
+    forward_item w{q0, h, b, h / (p.heads_q / p.heads_kv), 0, 0, mask_band, 0, 0, {}};
     if constexpr (SEG) {  // within the hull of the keys that share the queries' segments
       const segment_span ids = segment_ranges::of(p).queries<Q_ROWS>(b, q0);
       keys = {max(keys.lo, ids.other_lo), min(keys.hi, ids.other_hi)};
@@ -107,51 +97,62 @@ struct forward_item {
     }
     w.first_tile = keys.hi > keys.lo ? keys.lo / KV : 0;
     w.end_tile = keys.hi > keys.lo ? (keys.hi + KV - 1) / KV : 0;
-    if constexpr (SEG) {
-      if (w.first_tile < w.end_tile && !w.template shares<KV>(p, w.first_tile))
-        w.first_tile = w.template next_tile<KV, SEG>(p, w.first_tile);
-    }
+    if constexpr (SEG) w.first_tile = w.template next_tile<KV, SEG>(p, w.first_tile - 1, w.first_ids);
     return w;
   }
   __device__ bool empty() const { return first_tile >= end_tile; }
-  // The id range of key tile t (SEG).
-  template <int KV>
-  __device__ segment_span tile_ids(const ForwardParams& p, int t) const {
-    return segment_ranges::of(p).keys<KV>(b, t * KV);
-  }
-  template <int KV>
-  __device__ bool shares(const ForwardParams& p, int t) const {
-    const segment_span ids = tile_ids<KV>(p, t);
-    return ids.seg_lo <= seg_hi && seg_lo <= ids.seg_hi;
-  }
-  // The visited tile after t; end_tile when none is left.
+  // The visited tile after t (end_tile when none is left), and with SEG its ids.
   template <int KV, bool SEG>
-  __device__ int next_tile(const ForwardParams& p, int t) const {
+  __device__ int next_tile(const ForwardParams& p, int t, segment_span& ids) const {
     t++;
     if constexpr (SEG) {
 #pragma unroll 1
-      while (t < end_tile && !shares<KV>(p, t)) t++;
+      for (; t < end_tile; t++) {
+        ids = segment_ranges::of(p).keys<KV>(b, t * KV);
+        if (ids.seg_lo <= seg_hi && seg_lo <= ids.seg_hi) break;
+      }
     }
     return t;
   }
 };
 
-// Producer (one thread): item w's Q as use q_use of the Q ring, and its key tiles as uses
+template <typename T, int D, int C>
+struct forward_shared {
+  using config = forward_config<D, C>;
+  st<T, 64, D> q[C];
+  st<T, config::KV_ROWS, D> k[config::STAGES], v[config::STAGES];
+  // Q has a one-slot ring: in a persistent walk the consumers release it once an item's last
+  // scores have landed, so the next item's Q loads under the last P V and the write-out.
+  ring<1> q_ring;
+  forward_item item;  // the item whose Q is in the Q slot, published with it
+  // K and V have rings of their own: K_i is released as soon as its scores have landed, well
+  // before V_i is done, so the next K tile can load early.
+  ring<config::STAGES> k_ring, v_ring;
+};
+
+// Producer (one thread): item w and its Q as use q_use of the Q ring, and its key tiles as uses
 // kv_use, kv_use + 1, ... of the K and V rings; returns how many. A block's first Q goes first;
 // a later one goes after its item's first K tile, which may then load while the consumers still
-// read the previous item's Q.
+// read the previous item's Q. (The consumers read an item when they acquire its Q, and are done
+// with it when they release that Q.)
 template <bool SEG, typename T, int D, int C>
 __device__ __forceinline__ int load_item(forward_shared<T, D, C>& s, const ForwardArgs& args, const forward_item& w,
                                          int q_use, int kv_use) {
   constexpr int KV = forward_config<D, C>::KV_ROWS;
+  auto publish = [&](uint32_t q_bytes) -> tma::barrier& {
+    s.q_ring.wait_free(q_use);
+    s.item = w;
+    return s.q_ring.fill(q_use, q_bytes);  // the arrival releases the item to the consumers
+  };
   auto load_q = [&] {
-    tma::barrier& q_full = s.q_ring.fill(q_use, C * sizeof(s.q[0]));
+    tma::barrier& q_full = publish(C * sizeof(s.q[0]));
     for (int c = 0; c < C; c++) tma::load_async(&s.q[c], args.q, q_full, 0, w.q0 + 64 * c, 0, w.h, w.b);
   };
-  if (w.empty()) s.q_ring.fill(q_use, 0);  // rows that see no key: no Q to wait for
+  if (w.empty()) publish(0);  // rows that see no key: no Q to wait for
   else if (q_use == 0) load_q();
   int n = 0;
-  for (int t = w.first_tile; t < w.end_tile; t = w.template next_tile<KV, SEG>(args.p, t), n++) {
+  segment_span ids;
+  for (int t = w.first_tile; t < w.end_tile; t = w.template next_tile<KV, SEG>(args.p, t, ids), n++) {
     const int use = kv_use + n, stage = s.k_ring.slot(use), k0 = t * KV;
     tma::load_async(&s.k[stage], args.k, s.k_ring.fill(use, sizeof(s.k[0])), 0, k0, 0, w.kv_h, w.b);
     if (n == 0 && q_use > 0) load_q();
@@ -161,7 +162,7 @@ __device__ __forceinline__ int load_item(forward_shared<T, D, C>& s, const Forwa
 }
 
 // The segment ids of a consumer warp's rows (SEG): each lane's rows g and g + 8, their range
-// over the warp, and the ids of the keys of the current row of the batch.
+// over the warp, and the ids of the keys of the item's batch row.
 struct warp_segments {
   int row_ids[2];
   int lo, hi;
@@ -184,7 +185,8 @@ struct warp_segments {
     s.key_ids = p.mask.kv_segment_ids + int64_t(w.b) * p.seq_k;
     return s;
   }
-  // Masks the pairs of key tile [k0, k0 + KV) whose ids differ, unless all of them hold one id.
+  // Masks the pairs of key tile [k0, k0 + KV) (ids `tile`) whose ids differ, unless all of them
+  // hold one id.
   template <int KV>
   __device__ void mask(rt_fl<16, KV>& scores, const segment_span& tile, int k0, int k_end) const {
     if (!tile.one_segment_with(lo, hi)) mask_segments(scores, row_ids, key_ids + k0, k_end - k0);
@@ -219,10 +221,11 @@ __device__ __forceinline__ int attend_item(forward_shared<T, D, C>& s, const For
   auto scores_of = [&](int i) {  // S_i = Q K_i^T, issued asynchronously
     warpgroup::mma_ABt(scores, s.q[consumer], s.k[s.k_ring.acquire(kv_use + i)], false);
   };
-  auto softmax_of = [&](int i, int t) {  // S_i (key tile t) has landed: release K_i, then scores -> P_i
+  // S_i (key tile t, of ids `ids`) has landed: release K_i, then scores -> P_i.
+  auto softmax_of = [&](int i, int t, const segment_span& ids) {
     s.k_ring.release(kv_use + i);
     const int k0 = t * KV;
-    if constexpr (SEG) segments.mask(scores, w.template tile_ids<KV>(p, t), k0, mask_band.k_end);
+    if constexpr (SEG) segments.mask(scores, ids, k0, mask_band.k_end);
     if (masked_tile.cuts(k0)) mask_band.mask(scores, row0, k0);
     return online_softmax_step(scores, m, l, rescale, c);  // whether O needs the rescale
   };
@@ -233,21 +236,22 @@ __device__ __forceinline__ int attend_item(forward_shared<T, D, C>& s, const For
     s.v_ring.release(kv_use + i);
   };
   int t = w.first_tile, i = 0;
+  segment_span ids = w.first_ids;  // of tile t, then of the next one (loaded a step early)
   if (!w.empty()) {
     scores_of(0);
     warpgroup::wait<0>();
-    softmax_of(0, t);  // O is still zero: no rescale
+    softmax_of(0, t, ids);  // O is still zero: no rescale
   } else {
     release_q();
   }
-  for (int next = w.template next_tile<KV, SEG>(p, t); next < w.end_tile;
-       t = next, next = w.template next_tile<KV, SEG>(p, next), i++) {
+  for (int next = w.template next_tile<KV, SEG>(p, t, ids); next < w.end_tile;
+       t = next, next = w.template next_tile<KV, SEG>(p, next, ids), i++) {
     rt<T, 16, KV> probs;  // P_i leaves the scores before S_{i+1} overwrites them
     copy(probs, scores);
     scores_of(i + 1);
     add_pv(i, probs);
     warpgroup::wait<1>();  // S_{i+1} has landed; P_i V_i may still run
-    const bool rescaled = softmax_of(i + 1, next);
+    const bool rescaled = softmax_of(i + 1, next, ids);
     warpgroup::wait<0>();
     release_v(i);
     if (rescaled) mul_row(o, rescale);
@@ -286,15 +290,18 @@ __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
   const ForwardParams& p = args.p;
   extern __shared__ char smem_raw[];
   auto& s = aligned_shared<forward_shared<T, D, C>>(smem_raw);
-  const forward_item w =
-      forward_item::of<config::Q_ROWS, config::KV_ROWS, SEG>(blockIdx.x, blockIdx.y, blockIdx.z, p);
   init_rings(s);
   if (warpgroup::groupid() == 0) {
     warpgroup::decrease_registers<config::PRODUCER_REGS>();
-    if (threadIdx.x == 0) load_item<SEG>(s, args, w, 0, 0);
+    if (threadIdx.x == 0) {
+      const forward_item w =
+          forward_item::of<config::Q_ROWS, config::KV_ROWS, SEG>(blockIdx.x, blockIdx.y, blockIdx.z, p);
+      load_item<SEG>(s, args, w, 0, 0);
+    }
   } else {
     warpgroup::increase_registers<config::CONSUMER_REGS>();
     s.q_ring.acquire(0);
+    const forward_item w = s.item;
     attend_item<SEG>(s, p, w, warpgroup::groupid() - 1, 0, [] {});  // Q is read once: never released
   }
 }
@@ -308,25 +315,22 @@ __host__ __device__ inline int forward_items(const ForwardParams& p) {
 // [n G, (n + 1) G), walked forwards in even rounds and backwards in odd ones, so that under the
 // heaviest-first order of causal items the blocks' sums of item lengths come out close. Item t
 // is query block t % q_blocks, head (t / q_blocks) % heads_q, batch t / (q_blocks heads_q), the
-// plain grid's order. Calls visit(item, n, kv_use) for the n-th, whose key tiles are uses
-// kv_use, kv_use + 1, ... of the K and V rings, and which returns how many it used: the rings
-// run on from item to item.
-template <int Q_ROWS, int KV, bool SEG, typename Visit>
+// plain grid's order. Calls visit(t, n) for the n-th item, t.
+template <int Q_ROWS, typename Visit>
 __device__ __forceinline__ void walk_items(const ForwardParams& p, Visit visit) {
-  const int items = forward_items<Q_ROWS>(p), q_blocks = query_blocks<Q_ROWS>(p);
+  const int items = forward_items<Q_ROWS>(p);
   const int G = gridDim.x;
-  int kv_use = 0;
   for (int n = 0;; n++) {
     const int t = n * G + (n % 2 == 0 ? blockIdx.x : G - 1 - blockIdx.x);
     if (t >= items) break;
-    const forward_item w = forward_item::of<Q_ROWS, KV, SEG>(t % q_blocks, t / q_blocks % p.heads_q,
-                                                              t / q_blocks / p.heads_q, p);
-    kv_use += visit(w, n, kv_use);
+    visit(t, n);
   }
 }
 
-// Persistent grid: each block walks its items; the producer loads the n-th item's Q as use n
-// of the Q ring, which the consumers release once they no longer read it.
+// Persistent grid: each block walks its items; the producer works out the n-th item and loads
+// its Q as use n of the Q ring, which the consumers release once they no longer read it. An
+// item's key tiles are uses kv_use, kv_use + 1, ... of the K and V rings: the rings run on from
+// item to item.
 template <typename T, int D, int C, bool SEG>
 __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
     persistent_forward_kernel(const __grid_constant__ ForwardArgs args) {
@@ -337,18 +341,24 @@ __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
   auto& s = aligned_shared<forward_shared<T, D, C>>(smem_raw);
 
   init_rings(s);
+  int kv_use = 0;
   if (warpgroup::groupid() == 0) {
     warpgroup::decrease_registers<config::PRODUCER_REGS>();
-    if (threadIdx.x == 0)
-      walk_items<Q_ROWS, KV, SEG>(p, [&](const forward_item& w, int n, int kv_use) {
-        return load_item<SEG>(s, args, w, n, kv_use);
+    if (threadIdx.x == 0) {
+      const int q_blocks = query_blocks<Q_ROWS>(p);
+      walk_items<Q_ROWS>(p, [&](int t, int n) {
+        const forward_item w =
+            forward_item::of<Q_ROWS, KV, SEG>(t % q_blocks, t / q_blocks % p.heads_q, t / q_blocks / p.heads_q, p);
+        kv_use += load_item<SEG>(s, args, w, n, kv_use);
       });
+    }
   } else {
     warpgroup::increase_registers<config::CONSUMER_REGS>();
     const int consumer = warpgroup::groupid() - 1;
-    walk_items<Q_ROWS, KV, SEG>(p, [&](const forward_item& w, int n, int kv_use) {
+    walk_items<Q_ROWS>(p, [&](int, int n) {
       s.q_ring.acquire(n);
-      return attend_item<SEG>(s, p, w, consumer, kv_use, [&] { s.q_ring.release(n); });
+      const forward_item w = s.item;
+      kv_use += attend_item<SEG>(s, p, w, consumer, kv_use, [&] { s.q_ring.release(n); });
     });
   }
 }
