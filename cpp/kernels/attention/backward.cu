@@ -5,12 +5,9 @@
 #include <cstdint>
 
 #include "attention.h"
-#include "backward_dkv_output_kernel.cuh"
-#include "backward_dq_output_kernel.cuh"
-#include "backward_kernel.cuh"
-#include "backward_row_stats_kernel.cuh"
-#include "backward_split_kernel.cuh"
+#include "backward_launch.cuh"
 #include "backward_workspace.cuh"
+#include "segment_ranges.cuh"
 
 namespace tk::attention {
 
@@ -32,42 +29,14 @@ const char* backward_unsupported(const BackwardParams& p) {
   if (p.window_left < -1 || p.window_right < -1) return "window bounds must be >= -1";
   if (p.batch > 65535 || p.heads_q > 65535) return "batch and heads_q must be <= 65535";
   if (backward_workspace::padded(p.seq_q) > INT32_MAX) return "seq_q is too large";
+  if (const char* why = mask_unsupported(p.mask)) return why;
   return nullptr;
-}
-
-template <typename T, int D>
-static cudaError_t backward_with(const BackwardParams& p, cudaStream_t stream) {
-  const backward_workspace ws = backward_workspace::of(p);
-  int sms = 0;
-  cudaError_t err = multiprocessor_count(&sms);
-  constexpr int key_rows = D == 256 ? split_backward_config<D>::KV_ROWS : backward_config<D>::KV_ROWS;
-  const int head_splits = err == cudaSuccess ? backward_head_splits(p, key_rows, sms) : 1;
-  if (err == cudaSuccess) err = launch_row_stats<T, D>(p, ws, stream);
-  if (err == cudaSuccess) err = cudaMemsetAsync(ws.dq_accum, 0, ws.dq_accum_floats * sizeof(float), stream);
-  if (err == cudaSuccess && head_splits > 1)  // dK then dV: adjacent in the workspace
-    err = cudaMemsetAsync(ws.dk_accum, 0, 2 * ws.dkv_accum_floats * sizeof(float), stream);
-  if (err == cudaSuccess) {
-    if constexpr (D == 256) err = launch_split_backward<T, D>(p, ws, head_splits, stream);
-    else err = launch_backward<T, D>(p, ws, head_splits, stream);
-  }
-  if (err == cudaSuccess) err = launch_dq_output<T, D>(p, ws, stream);
-  if (err == cudaSuccess && head_splits > 1) err = launch_dkv_output<T, D>(p, ws, stream);
-  return err;
-}
-
-template <typename T>
-static cudaError_t backward_typed(const BackwardParams& p, cudaStream_t stream) {
-  switch (p.head_dim) {
-    case 64: return backward_with<T, 64>(p, stream);
-    case 128: return backward_with<T, 128>(p, stream);
-    case 256: return backward_with<T, 256>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
 }
 
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
   if (backward_unsupported(p)) return cudaErrorInvalidValue;
-  return p.dtype == DType::bf16 ? backward_typed<bf16>(p, stream) : backward_typed<half>(p, stream);
+  if (p.mask.has_segment_ids()) return backward_with_segment_ids(p, stream);
+  return launch_backward_kernels<false>(p, stream);
 }
 
 }  // namespace tk::attention

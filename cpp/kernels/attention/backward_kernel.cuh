@@ -57,7 +57,9 @@ struct backward_shared {
   tma::barrier kv_full;
 };
 
-template <typename T, int D>
+// SEG: with segment ids (the walk cut to the query tiles that share the block's segments, pairs
+// of different segments masked).
+template <typename T, int D, bool SEG>
 __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     backward_kernel(const __grid_constant__ BackwardArgs args) {
   using config = backward_config<D>;
@@ -69,8 +71,9 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   const key_block_of block = key_block_of::this_block(args);
   const int kv_h = block.kv_h, b = block.b;
   const int k0 = block.index * config::KV_ROWS;
-  const band mask_band = band::of(p);
-  const query_walk walk = query_walk::of(p, mask_band, kv_h, k0, config::KV_ROWS, block.split, args.head_splits);
+  const band mask_band = band::of(p, b);
+  query_walk walk = query_walk::of(p, mask_band, kv_h, k0, config::KV_ROWS, block.split, args.head_splits);
+  if constexpr (SEG) walk.keep_segments<config::KV_ROWS>(p, b, k0);
   const int steps = walk.steps;
 
   if (threadIdx.x == 0) {
@@ -161,6 +164,11 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     const int key0 = k0 + 64 * consumer + 16 * warp;  // this warp's first key row
     const auto masked_tile = mask_band.cuts_for_keys(QT, key0, 16);  // rows are keys, columns queries
     const float c = p.scale * LOG2E;
+    // SEG: rows are keys, columns queries.
+    const int32_t* const key_ids = p.mask.kv_segment_ids + int64_t(b) * p.seq_k;
+    const int32_t* const query_ids = p.mask.q_segment_ids + int64_t(b) * p.seq_q;
+    warp_segments segments;
+    if constexpr (SEG) segments = warp_segments::of(key_ids, key0, mask_band.k_end);
 
     rt_fl<16, D> dk, dv;
     zero(dk);
@@ -170,6 +178,8 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     // One step of the walk, compiled apart for steps without a dQ chunk (every other step of
     // each consumer at D = 64), so that every wgmma wait counts a fixed set of products.
     auto step = [&]<bool has_chunk>(int i, int q0) {
+      segment_span tile_ids;  // SEG: of this query tile, loaded before the scores are waited for
+      if constexpr (SEG) tile_ids = segment_ranges::of(p).queries<QT>(b, q0);
       const auto& rows = s.stats[s.stats_slots.acquire(i)];
       col_vec<QT> lse2, delta;
       load(lse2, rows.lse2);
@@ -183,6 +193,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
       warpgroup::mma_ABt(probs, s.k[consumer], q_tile, false);
       warpgroup::mma_ABt(dprobs, s.v[consumer], dout_tile, false);
       warpgroup::wait<1>();  // S^T is ready
+      if constexpr (SEG) segments.mask(probs, tile_ids, key_ids, key0, mask_band.k_end, query_ids, q0, mask_band.q_end);
       if (masked_tile.cuts(q0)) mask_band.mask<true>(probs, q0, key0);
       map_cols(probs, lse2, [=](float x, float lse2) { return fast_exp2(c * x - lse2); });
       rt<T, 16, QT> probs_16;
@@ -236,7 +247,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool SEG>
 cudaError_t launch_backward(const BackwardParams& p, const backward_workspace& ws, int head_splits,
                             cudaStream_t stream) {
   using config = backward_config<D>;
@@ -251,7 +262,7 @@ cudaError_t launch_backward(const BackwardParams& p, const backward_workspace& w
   constexpr int smem = int(sizeof(backward_shared<T, D>)) + 1024;
   static_assert(smem <= 227 * 1024, "the backward's shared memory exceeds the H100's 227 KB");
   const dim3 grid((p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS, p.heads_kv * head_splits, p.batch);
-  return launch_with_shared<backward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);
+  return launch_with_shared<backward_kernel<T, D, SEG>>(grid, config::THREADS, smem, stream, args);
 }
 
 }  // namespace tk::attention

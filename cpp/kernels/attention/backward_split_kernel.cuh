@@ -89,7 +89,9 @@ __device__ __forceinline__ void add_dq_half(float* dq_rows, const st<T, 64, 64>&
   atomic_add_fragments(dq_rows + (col0 / 64 + rank) * (BACKWARD_Q_TILE * 64), owned);
 }
 
-template <typename T, int D>
+// SEG: with segment ids (the walk cut to the query tiles that share the pair's segments, pairs
+// of different segments masked).
+template <typename T, int D, bool SEG>
 __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
     __launch_bounds__(split_backward_config<D>::THREADS, 1)
         split_backward_kernel(const __grid_constant__ BackwardArgs args) {
@@ -103,13 +105,14 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
   const key_block_of block = key_block_of::this_block(args, config::CLUSTER);
   const int kv_h = block.kv_h, b = block.b;
   const int k0 = block.index * config::KV_ROWS;
-  const band mask_band = band::of(p);
+  const band mask_band = band::of(p, b);
   // Both blocks of the cluster walk the query tiles that see either's keys (the partner may
   // own no keys at all when the key blocks are odd in number: its masks then zero every step).
   const int rank = cluster::rank();
   const int pair_k0 = k0 - rank * config::KV_ROWS;
-  const query_walk walk =
+  query_walk walk =
       query_walk::of(p, mask_band, kv_h, pair_k0, config::CLUSTER * config::KV_ROWS, block.split, args.head_splits);
+  if constexpr (SEG) walk.keep_segments<config::CLUSTER * config::KV_ROWS>(p, b, pair_k0);
 
   if (threadIdx.x == 0) {
     tma::init(s.kv_full, 1);
@@ -137,6 +140,11 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
   const int warp = warpgroup::warp_in_group();
   const int key0 = k0 + 16 * warp;  // this warp's first key row (in both roles)
   const auto masked_tile = mask_band.cuts_for_keys(QT, key0, 16);  // rows are keys, columns queries
+  // SEG, P role: rows are keys, columns queries.
+  const int32_t* const key_ids = p.mask.kv_segment_ids + int64_t(b) * p.seq_k;
+  const int32_t* const query_ids = p.mask.q_segment_ids + int64_t(b) * p.seq_q;
+  warp_segments segments;
+  if constexpr (SEG) segments = warp_segments::of(key_ids, key0, mask_band.k_end);
   rt_fl<16, D> grad;  // dV in the P role, dK in the dS role
   zero(grad);
   if (walk.steps > 0) tma::wait(s.kv_full, 0);
@@ -152,11 +160,14 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
     if (p_role) {
       // P^T from the recomputed scores; lse2 is +inf on rows that saw nothing, giving P = 0.
       const float c = p.scale * LOG2E;
+      segment_span tile_ids;  // SEG: of this query tile, loaded before the scores are waited for
+      if constexpr (SEG) tile_ids = segment_ranges::of(p).queries<QT>(b, q0);
       rt_fl<16, QT> probs;
       warpgroup::mma_ABt(probs, s.k, q_tile, false);
       col_vec<QT> lse2;
       load(lse2, args.ws.lse2 + args.ws.row(b, tile.head, tile.q0));
       warpgroup::wait<0>();
+      if constexpr (SEG) segments.mask(probs, tile_ids, key_ids, key0, mask_band.k_end, query_ids, q0, mask_band.q_end);
       if (masked_tile.cuts(q0)) mask_band.mask<true>(probs, q0, key0);
       map_cols(probs, lse2, [=](float x, float lse2) { return fast_exp2(c * x - lse2); });
       rt<T, 16, QT> probs_16;
@@ -199,7 +210,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
   cluster::sync();  // the partner's last remote arrive on this block's barriers has landed
 }
 
-template <typename T, int D>
+template <typename T, int D, bool SEG>
 cudaError_t launch_split_backward(const BackwardParams& p, const backward_workspace& ws, int head_splits,
                                   cudaStream_t stream) {
   using config = split_backward_config<D>;
@@ -215,7 +226,7 @@ cudaError_t launch_split_backward(const BackwardParams& p, const backward_worksp
   const int key_blocks = (p.seq_k + config::KV_ROWS - 1) / config::KV_ROWS;
   const dim3 grid((key_blocks + config::CLUSTER - 1) / config::CLUSTER * config::CLUSTER, p.heads_kv * head_splits,
                   p.batch);
-  return launch_with_shared<split_backward_kernel<T, D>>(grid, config::THREADS, smem, stream, args);
+  return launch_with_shared<split_backward_kernel<T, D, SEG>>(grid, config::THREADS, smem, stream, args);
 }
 
 }  // namespace tk::attention

@@ -8,6 +8,7 @@
 #include "../../kittens/kittens.cuh"
 #include "attention.h"
 #include "backward_workspace.cuh"
+#include "segment_ranges.cuh"
 #include "softmax_band.cuh"
 
 namespace tk::attention {
@@ -125,6 +126,25 @@ struct query_walk {
     const int first_tile = queries.lo / BACKWARD_Q_TILE;
     const int tiles = queries.hi > queries.lo ? (queries.hi + BACKWARD_Q_TILE - 1) / BACKWARD_Q_TILE - first_tile : 0;
     return {(kv_h * splits + split) * heads, first_tile, tiles, tiles * heads};
+  }
+  // With segment ids: the walk cut to the query tiles from the first to the last that share a
+  // segment with keys [k0, k0 + ROWS) of batch row b (segment_ranges.cuh). With sorted ids
+  // every tile between them shares one too; tiles that do not (unsorted ids only) are walked,
+  // their pairs all masked.
+  template <int ROWS>
+  __device__ void keep_segments(const BackwardParams& p, int b, int k0) {
+    const segment_ranges ranges = segment_ranges::of(p);
+    const segment_span keys = ranges.keys<ROWS>(b, k0);
+    const int heads = tiles_per_head > 0 ? steps / tiles_per_head : 0;
+    int lo = max(first_tile, keys.other_lo / BACKWARD_Q_TILE);
+    int hi = min(first_tile + tiles_per_head, keys.other_hi > 0 ? (keys.other_hi + BACKWARD_Q_TILE - 1) / BACKWARD_Q_TILE : 0);
+#pragma unroll 1
+    while (lo < hi && !ranges.queries<BACKWARD_Q_TILE>(b, lo * BACKWARD_Q_TILE).meets(keys)) lo++;
+#pragma unroll 1
+    while (hi > lo && !ranges.queries<BACKWARD_Q_TILE>(b, (hi - 1) * BACKWARD_Q_TILE).meets(keys)) hi--;
+    first_tile = lo;
+    tiles_per_head = max(hi - lo, 0);
+    steps = tiles_per_head * heads;
   }
   // The walk's steps in order: the query tiles of one head, then the next head's. Kernels
   // advance a cursor step by step instead of dividing the step index.

@@ -161,38 +161,6 @@ __device__ __forceinline__ int load_item(forward_shared<T, D, C>& s, const Forwa
   return n;
 }
 
-// The segment ids of a consumer warp's rows (SEG): each lane's rows g and g + 8, their range
-// over the warp, and the ids of the keys of the item's batch row.
-struct warp_segments {
-  int row_ids[2];
-  int lo, hi;
-  const int32_t* key_ids;
-
-  __device__ static warp_segments of(const ForwardParams& p, const forward_item& w, int row0) {
-    warp_segments s;
-    int lo = INT_MAX, hi = INT_MIN;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-      const int row = row0 + row_vec_row(0, h);
-      const bool valid = row < w.mask_band.q_end;  // rows past the length are masked by the band
-      s.row_ids[h] = valid ? __ldg(p.mask.q_segment_ids + int64_t(w.b) * p.seq_q + row) : INT_MAX;
-      lo = valid ? min(lo, s.row_ids[h]) : lo;
-      hi = valid ? max(hi, s.row_ids[h]) : hi;
-    }
-    const int2 range = warp_id_range(lo, hi);
-    s.lo = range.x;
-    s.hi = range.y;
-    s.key_ids = p.mask.kv_segment_ids + int64_t(w.b) * p.seq_k;
-    return s;
-  }
-  // Masks the pairs of key tile [k0, k0 + KV) (ids `tile`) whose ids differ, unless all of them
-  // hold one id.
-  template <int KV>
-  __device__ void mask(rt_fl<16, KV>& scores, const segment_span& tile, int k0, int k_end) const {
-    if (!tile.one_segment_with(lo, hi)) mask_segments(scores, row_ids, key_ids + k0, k_end - k0);
-  }
-};
-
 // Consumer warpgroup `consumer`: attention of its 64 rows of item w, whose key tiles are uses
 // kv_use, kv_use + 1, ... of the K and V rings; writes O and lse and returns how many tiles it
 // read. release_q() runs once Q is no longer read.
@@ -204,8 +172,11 @@ __device__ __forceinline__ int attend_item(forward_shared<T, D, C>& s, const For
   const float c = p.scale * LOG2E;
   const band& mask_band = w.mask_band;
   const auto masked_tile = mask_band.cuts_for_queries(row0, 16, KV);  // which key tiles need band masks
+  // SEG: rows are queries, columns keys.
+  const int32_t* const query_ids = p.mask.q_segment_ids + int64_t(w.b) * p.seq_q;
+  const int32_t* const key_ids = p.mask.kv_segment_ids + int64_t(w.b) * p.seq_k;
   warp_segments segments;
-  if constexpr (SEG) segments = warp_segments::of(p, w, row0);
+  if constexpr (SEG) segments = warp_segments::of(query_ids, row0, mask_band.q_end);
 
   rt_fl<16, D> o;
   row_vec<16> m, l;
@@ -225,7 +196,7 @@ __device__ __forceinline__ int attend_item(forward_shared<T, D, C>& s, const For
   auto softmax_of = [&](int i, int t, const segment_span& ids) {
     s.k_ring.release(kv_use + i);
     const int k0 = t * KV;
-    if constexpr (SEG) segments.mask(scores, ids, k0, mask_band.k_end);
+    if constexpr (SEG) segments.mask(scores, ids, query_ids, row0, mask_band.q_end, key_ids, k0, mask_band.k_end);
     if (masked_tile.cuts(k0)) mask_band.mask(scores, row0, k0);
     return online_softmax_step(scores, m, l, rescale, c);  // whether O needs the rescale
   };
