@@ -35,6 +35,23 @@ for d in (64, 128, 256) if "attention" in which else ():
     k_long, v_long = (jnp.asarray(rng.standard_normal((1, 4100, 2, d)), jnp.bfloat16) for _ in range(2))
     for kw_long in (kw, full):
         jax.block_until_ready(_kernels.attention_fwd(q[:, :70], k_long, v_long, **kw_long))
+    # Masks: rows packed with documents (segment ids: one-token ones, ids only the queries hold,
+    # unsorted runs), lengths 0, partial and past the end (clamped), a causal window, top-left
+    # alignment; the forward's persistent grid (SEG), the backward's walk cut to the segments.
+    t = 333
+    runs = [1, 40, 1, 100, 60, 31, 90, 10]  # tokens per document: t in all
+    seg = np.repeat(np.array([[0, 1, 2, 3, 5, 4, 6, 1], [7, 7, 8, 9, 9, 9, 9, 9]], np.int32), runs, axis=1)
+    kv_seg = np.where(seg == 5, 11, seg)  # id 5: queries only (an empty segment)
+    qb, kb, vb = (jnp.asarray(rng.standard_normal((2, t, h, d)), jnp.bfloat16) for h in (4, 2, 2))
+    masked = dict(scale=1 / math.sqrt(d), window_left=70, window_right=0, q_segment_ids=jnp.asarray(seg),
+                  kv_segment_ids=jnp.asarray(kv_seg), q_seq_lengths=jnp.asarray([t, 200], jnp.int32),
+                  kv_seq_lengths=jnp.asarray([t + 9, 0], jnp.int32), bottom_right=False)
+    o_m, lse_m = _kernels.attention_fwd(qb, kb, vb, **masked)
+    jax.block_until_ready(_kernels.attention_bwd(qb, kb, vb, o_m, lse_m, jnp.ones_like(o_m), **masked))
+    lengths_only = dict(scale=1 / math.sqrt(d), window_left=-1, window_right=0,
+                        q_seq_lengths=jnp.asarray([5, t], jnp.int32), kv_seq_lengths=jnp.asarray([t, 64], jnp.int32))
+    o_l, lse_l = _kernels.attention_fwd(qb, kb, vb, **lengths_only)
+    jax.block_until_ready(_kernels.attention_bwd(qb, kb, vb, o_l, lse_l, jnp.ones_like(o_l), **lengths_only))
 for dv in (64, 128) if "based" in which else ():  # Based: two chunks, the second partial; a random initial state
     qk_shape, v_shape = (1, 77, 2, 16), (1, 77, 2, dv)
     q, k = (jnp.asarray(0.5 * rng.standard_normal(qk_shape), jnp.bfloat16) for _ in range(2))

@@ -137,8 +137,9 @@ ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
                              ffi::AnyBuffer o, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
                              ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_segment_ids,
                              ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::S32> q_lengths,
-                             ffi::Buffer<ffi::S32> kv_lengths, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                             ffi::Buffer<ffi::S32> kv_lengths, ffi::Result<ffi::AnyBuffer> dq,
+                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                             ffi::Result<ffi::Buffer<ffi::U8>> workspace,
                              ffi::Result<ffi::Buffer<ffi::U8>> mask_workspace, float scale, int64_t window_left,
                              int64_t window_right, bool has_segment_ids, bool has_seq_lengths, bool bottom_right) {
   const auto qd = q.dimensions(), kd = k.dimensions();

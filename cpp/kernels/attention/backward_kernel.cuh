@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(backward_config<D>::THREADS, 1)
     // One step of the walk, compiled apart for steps without a dQ chunk (every other step of
     // each consumer at D = 64), so that every wgmma wait counts a fixed set of products.
     auto step = [&]<bool has_chunk>(int i, int q0) {
-      segment_span tile_ids;  // SEG: of this query tile, loaded before the scores are waited for
+      [[maybe_unused]] segment_span tile_ids;  // SEG: of this query tile, loaded before the scores are waited for
       if constexpr (SEG) tile_ids = segment_ranges::of(p).queries<QT>(b, q0);
       const auto& rows = s.stats[s.stats_slots.acquire(i)];
       col_vec<QT> lse2, delta;

@@ -160,7 +160,7 @@ __global__ void __cluster_dims__(split_backward_config<D>::CLUSTER, 1, 1)
     if (p_role) {
       // P^T from the recomputed scores; lse2 is +inf on rows that saw nothing, giving P = 0.
       const float c = p.scale * LOG2E;
-      segment_span tile_ids;  // SEG: of this query tile, loaded before the scores are waited for
+      [[maybe_unused]] segment_span tile_ids;  // SEG: of this query tile, loaded before the scores are waited for
       if constexpr (SEG) tile_ids = segment_ranges::of(p).queries<QT>(b, q0);
       rt_fl<16, QT> probs;
       warpgroup::mma_ABt(probs, s.k, q_tile, false);

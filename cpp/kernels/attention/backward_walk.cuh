@@ -136,12 +136,13 @@ struct query_walk {
     const segment_ranges ranges = segment_ranges::of(p);
     const segment_span keys = ranges.keys<ROWS>(b, k0);
     const int heads = tiles_per_head > 0 ? steps / tiles_per_head : 0;
-    int lo = max(first_tile, keys.other_lo / BACKWARD_Q_TILE);
-    int hi = min(first_tile + tiles_per_head, keys.other_hi > 0 ? (keys.other_hi + BACKWARD_Q_TILE - 1) / BACKWARD_Q_TILE : 0);
+    constexpr int QT = BACKWARD_Q_TILE;
+    int lo = max(first_tile, keys.other_lo / QT);
+    int hi = min(first_tile + tiles_per_head, keys.other_hi > 0 ? (keys.other_hi + QT - 1) / QT : 0);
 #pragma unroll 1
-    while (lo < hi && !ranges.queries<BACKWARD_Q_TILE>(b, lo * BACKWARD_Q_TILE).meets(keys)) lo++;
+    while (lo < hi && !ranges.queries<QT>(b, lo * QT).meets(keys)) lo++;
 #pragma unroll 1
-    while (hi > lo && !ranges.queries<BACKWARD_Q_TILE>(b, (hi - 1) * BACKWARD_Q_TILE).meets(keys)) hi--;
+    while (hi > lo && !ranges.queries<QT>(b, (hi - 1) * QT).meets(keys)) hi--;
     first_tile = lo;
     tiles_per_head = max(hi - lo, 0);
     steps = tiles_per_head * heads;

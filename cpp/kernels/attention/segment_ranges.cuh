@@ -121,9 +121,6 @@ __device__ __forceinline__ void mask_segments(rt_fl<16, C>& t, const int (&row_i
     }
 }
 
-// nullptr when the kernels can take `mask`, else a sentence saying what is wrong.
-const char* mask_unsupported(const MaskParams& mask);
-
 // The segment ids of a warp's 16-row tile (a consumer's queries, or its keys) against the tiles
 // of the other side it meets: rows [row0, row0 + 16) of this side's ids `row_ids` (those from
 // row_end on are masked by the band, and not read), columns from col0 of the other side's
@@ -163,41 +160,6 @@ struct warp_segments {
 
 // nullptr when the kernels can take `mask`, else a sentence saying what is wrong.
 const char* mask_unsupported(const MaskParams& mask);
-
-// The segment ids of a warp's 16-row tile (a consumer's queries, or its keys), for the tiles it
-// meets of the other side: each lane's rows g and g + 8, their range over the warp, and the
-// other side's ids.
-struct warp_segments {
-  int row_ids[2];
-  int lo, hi;
-  const int32_t* col_ids;
-
-  // row_ids: this side's ids of the batch row, of which rows [row0, row0 + 16) below row_end are
-  // read (those past it are masked by the band); col_ids: the other side's.
-  __device__ static warp_segments of(const int32_t* row_ids, int row0, int row_end, const int32_t* col_ids) {
-    warp_segments s;
-    int lo = INT_MAX, hi = INT_MIN;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-      const int row = row0 + row_vec_row(0, h);
-      const bool valid = row < row_end;
-      s.row_ids[h] = valid ? __ldg(row_ids + row) : INT_MAX;
-      lo = valid ? min(lo, s.row_ids[h]) : lo;
-      hi = valid ? max(hi, s.row_ids[h]) : hi;
-    }
-    const int2 range = warp_id_range(lo, hi);
-    s.lo = range.x;
-    s.hi = range.y;
-    s.col_ids = col_ids;
-    return s;
-  }
-  // Masks the pairs of the tile whose columns start at col0 (of ids `tile`) whose ids differ,
-  // unless all of them hold one id. Columns from col_end on are not read (the band masks them).
-  template <int C>
-  __device__ void mask(rt_fl<16, C>& scores, const segment_span& tile, int col0, int col_end) const {
-    if (!tile.one_segment_with(lo, hi)) mask_segments(scores, row_ids, col_ids + col0, col_end - col0);
-  }
-};
 
 // The prologue: the chunk summaries of the queries and keys of every batch row, into the mask
 // workspace (two small launches on `stream`; a no-op without segment ids).
