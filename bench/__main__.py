@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layouts", type=lambda s: [x for x in s.split(",") if x],
                         help=f"packed: document layouts, of {', '.join(packed.LAYOUTS)} "
                              f"(default all)")
-    parser.add_argument("--rows", type=int, default=packed.ROWS,
+    parser.add_argument("--rows", type=int,
                         help=f"packed: rows of {packed.ROW_TOKENS} tokens per step "
                              f"(default {packed.ROWS})")
     parser.add_argument("--heads", type=decode.parse_heads,
@@ -151,7 +151,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          f"{', '.join(packed.LAYOUTS)}")
     if args.suite == "packed" and args.heads is not None and len(args.heads) != 1:
         parser.error(f"--heads: packed takes one Hq/Hkv pair, got {len(args.heads)}")
-    if args.rows < 1:
+    if args.rows is not None and args.rows < 1:
         parser.error(f"--rows must be >= 1, got {args.rows}")
     if not args.max_cache_gb > 0:
         parser.error(f"--max-cache-gb must be > 0, got {args.max_cache_gb}")
@@ -258,11 +258,11 @@ def packed_plan(args: argparse.Namespace) -> Plan:
         rows, row_tokens = packed.TINY["rows"], packed.TINY["row_tokens"]
         heads, d_values, layouts = packed.TINY["heads"], packed.TINY["d"], list(packed.LAYOUTS)
     else:
-        rows, row_tokens, heads = args.rows, packed.ROW_TOKENS, packed.HEADS
+        rows, row_tokens, heads = packed.ROWS, packed.ROW_TOKENS, packed.HEADS
         d_values = (packed.D_GRID[0],) if args.quick else packed.D_GRID
         layouts = list(packed.QUICK_LAYOUTS if args.quick else packed.LAYOUTS)
     heads = tuple(args.heads[0]) if args.heads else heads
-    layouts = args.layouts or layouts
+    rows, layouts = args.rows or rows, args.layouts or layouts
     configs = packed.make_configs(layouts, args.d or d_values,
                                   (False,) if args.fwd_only else (False, True), rows=rows,
                                   row_tokens=row_tokens, heads=heads)
@@ -296,16 +296,18 @@ def decode_plan(args: argparse.Namespace) -> Plan:
         batches, caches, heads, d_values, q_tokens = (t["batches"], t["caches"], t["heads"],
                                                       t["d"], t["q_tokens"])
         page_sizes, cells, copy_bytes = t["page_sizes"], None, t["copy_bytes"]
+        sizes = dict(max_steps=t["max_steps"])
     else:
         batches, caches, heads = decode.BATCHES, decode.CACHES, decode.HEADS
         d_values = decode.FULL_D if args.full else decode.D_GRID
         q_tokens = decode.FULL_Q_TOKENS if args.full else decode.Q_TOKENS
         page_sizes, copy_bytes = decode.PAGE_SIZES, decode.COPY_BYTES
         cells = decode.QUICK_CELLS if args.quick else None
+        sizes = {}
     page_sizes = tuple(args.page_sizes or page_sizes)
     configs, left_out = decode.make_configs(
         args.batch or batches, args.cache or caches, args.heads or heads, args.d or d_values,
-        args.q_tokens or q_tokens, max_cache_gib=args.max_cache_gb, cells=cells)
+        args.q_tokens or q_tokens, max_cache_gib=args.max_cache_gb, cells=cells, **sizes)
     copy: dict = {}
     tk_name = "tk" if args.tk_backend == "kernel" else f"tk_{args.tk_backend}"
     flash_name = "tk_flash" if args.tk_backend == "kernel" else f"tk_flash_{args.tk_backend}"
@@ -322,8 +324,9 @@ def decode_plan(args: argparse.Namespace) -> Plan:
 
     notes = ["bf16; no mask (every query token sees the whole cache, cache_seqlens = S); "
              "K/V bytes = 2*B*S*Hkv*D*2; TB/s = K/V bytes per step / time per step; a timed "
-             f"call runs `steps` steps over `sets` cache copies (>= {decode.TARGET_CALL_BYTES >> 20}"
-             f" MiB per call, 2x L2 covered where 16 steps allow)"] + left_out
+             f"call runs `steps` steps over `sets` cache copies (>= "
+             f"{decode.TARGET_CALL_BYTES >> 20} MiB per call, 2x L2 covered where 16 steps "
+             f"allow)"] + left_out
     return Plan(
         suite="decode", configs=configs,
         contenders=decode.contenders(args.tk_backend, page_sizes,

@@ -48,7 +48,7 @@ MAX_STEPS = 16
 BIG_CELL_BYTES = 64 * 2**20       # the issue's ">= 64 MB of K/V" cells
 QUICK_CELLS = ((1, 131072, 32, 8), (64, 4096, 32, 8), (8, 32768, 32, 32), (8, 32768, 32, 1))
 TINY = dict(batches=(1, 2), caches=(64, 128), heads=((4, 4), (4, 1)), d=(32,), q_tokens=(1,),
-            page_sizes=(16,), copy_bytes=4 * 2**20)
+            page_sizes=(16,), copy_bytes=4 * 2**20, max_steps=2)
 COPY_BYTES = 2 * 2**30
 SECONDS_PER_CELL = 4.0            # rough H100 cost of one cell (about 12 compiles, samples)
 
@@ -80,10 +80,10 @@ def kv_bytes(batch: int, cache: int, hkv: int, d: int, itemsize: int = 2) -> int
     return 2 * batch * cache * hkv * d * itemsize
 
 
-def steps_and_sets(n_bytes: int) -> tuple[int, int]:
-    """(steps per call, cache copies): a call reads >= TARGET_CALL_BYTES where MAX_STEPS
+def steps_and_sets(n_bytes: int, max_steps: int = MAX_STEPS) -> tuple[int, int]:
+    """(steps per call, cache copies): a call reads >= TARGET_CALL_BYTES where max_steps
     allow, rotating over enough copies to cover 2x the L2 (at most one per step)."""
-    steps = max(1, min(MAX_STEPS, math.ceil(TARGET_CALL_BYTES / n_bytes)))
+    steps = max(1, min(max_steps, math.ceil(TARGET_CALL_BYTES / n_bytes)))
     sets = max(1, min(steps, math.ceil(2 * L2_BYTES / n_bytes)))
     return steps, sets
 
@@ -111,7 +111,7 @@ def parse_heads(text: str) -> list[tuple[int, int]]:
 
 
 def make_configs(batches, caches, heads, d_values, q_tokens, *, max_cache_gib=MAX_CACHE_GIB,
-                 cells=None) -> tuple[list[DecodeConfig], list[str]]:
+                 cells=None, max_steps=MAX_STEPS) -> tuple[list[DecodeConfig], list[str]]:
     """The grid, ordered q tokens, D, heads, B, S; and notes on the cells left out (cache over
     `max_cache_gib`). `cells`, if given, keeps only these (B, S, Hq, Hkv)."""
     configs, notes = [], []
@@ -124,7 +124,7 @@ def make_configs(batches, caches, heads, d_values, q_tokens, *, max_cache_gib=MA
             notes.append(f"left out B={batch} S={cache} Hq/Hkv={hq}/{hkv} D={d} q={q}: "
                          f"{n / 2**30:.0f} GiB of K/V > {max_cache_gib:g} GiB")
             continue
-        steps, sets = steps_and_sets(n)
+        steps, sets = steps_and_sets(n, max_steps)
         configs.append(DecodeConfig(d=d, q_tokens=q, hq=hq, hkv=hkv, batch=batch, cache=cache,
                                     kv_mb=round(n / 2**20, 2), steps=steps, sets=sets))
     return configs, notes
@@ -147,9 +147,10 @@ def make_add_metrics(copy_rate: dict):
 # Inputs, shared by every contender of a cell (a cache may take tens of GB).
 
 def pseudo_random(shape, dtype, seed: int):
-    """Values in [-1, 1) from a hash of each element's index: one fused elementwise pass that
-    writes the array and nothing else (jax.random would need twice the array in temporaries,
-    which the largest caches cannot afford). Random enough that no kernel takes a shortcut."""
+    """Values in [-1, 1] (in bf16) from a hash of each element's index: one fused elementwise
+    pass that writes the array and nothing else (jax.random would need twice the array in
+    temporaries, which the largest caches cannot afford). Random enough that no kernel takes
+    a shortcut."""
     import jax
     import jax.numpy as jnp
 

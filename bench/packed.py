@@ -33,7 +33,7 @@ D_GRID = (128, 64)
 FA3_MAX_HEAD_DIM = 128
 BACKWARD_FLOP_FACTOR = 2.5
 SEED = 20261201              # document layouts are fixed: runs compare
-TINY = dict(row_tokens=256, rows=2, heads=(4, 2), d=(32,))
+TINY = dict(row_tokens=128, rows=1, heads=(4, 2), d=(32,))
 
 
 @dataclasses.dataclass(frozen=True)
