@@ -151,11 +151,20 @@ def pseudo_random(shape, dtype, seed: int):
     pass that writes the array and nothing else (jax.random would need twice the array in
     temporaries, which the largest caches cannot afford). Random enough that no kernel takes
     a shortcut."""
+    import numpy as np
+
+    return _filler(tuple(shape), np.dtype(dtype).name)(
+        np.uint32((seed * 0x9E3779B9 + 0x7F4A7C15) & 0xFFFFFFFF))
+
+
+@functools.lru_cache(maxsize=16)
+def _filler(shape: tuple, dtype: str):
+    """pseudo_random's compiled fill for one shape and dtype; the seed is an argument."""
     import jax
     import jax.numpy as jnp
 
-    def fill():
-        h = jnp.full(shape, (seed * 0x9E3779B9 + 0x7F4A7C15) & 0xFFFFFFFF, jnp.uint32)
+    def fill(seed):
+        h = jnp.full(shape, seed, jnp.uint32)
         for axis in range(len(shape)):
             h = (h ^ jax.lax.broadcasted_iota(jnp.uint32, shape, axis)) * jnp.uint32(0x01000193)
             h = h ^ (h >> 15)
@@ -164,7 +173,7 @@ def pseudo_random(shape, dtype, seed: int):
         h = h ^ (h >> 16)
         return ((h >> 8).astype(jnp.float32) * (2.0 ** -23) - 1.0).astype(dtype)
 
-    return jax.jit(fill)()
+    return jax.jit(fill)
 
 
 class _SharedInputs:

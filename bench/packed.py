@@ -164,11 +164,17 @@ def _packed_sets(config: PackedConfig, leading: tuple[int, ...]) -> list[tuple]:
 
 
 def _per_document_sets(config: PackedConfig) -> list[tuple]:
-    """The packed inputs cut into one [1, L, H, D] array per document (cut once, here)."""
-    sets = _packed_sets(config, (1, config.rows * config.row_tokens))
-    offsets = cu_seqlens(config)
-    return [tuple(tuple(x[:, int(a):int(b)] for a, b in zip(offsets[:-1], offsets[1:]))
-                  for x in arrays) for arrays in sets]
+    """Input sets (qs, ks, vs[, cotangents]), each a tuple of one [1, L, H, D] array per
+    document (drawn by one compiled function, however many documents there are)."""
+    lengths = all_lengths(config)
+    heads = [config.hq, config.hkv, config.hkv] + [config.hq] * config.backward
+    shapes = [(1, n, h, config.d) for h in heads for n in lengths]
+    bytes_per_set = sum(math.prod(s) for s in shapes) * 2
+    sets = []
+    for flat in random_normal_sets(shapes, input_sets_needed(bytes_per_set)):
+        sets.append(tuple(tuple(flat[i * len(lengths):(i + 1) * len(lengths)])
+                          for i in range(len(heads))))
+    return sets
 
 
 # ---------------------------------------------------------------------------------------------
