@@ -81,7 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the configurations and contenders, run nothing")
     parser.add_argument("--quick", action="store_true",
-                        help="a small subset: attention D=128, T=1k,4k; based T=1k,8k")
+                        help="a small subset: attention D=128, T=1k,4k; based T=1k,8k; gqa "
+                             "D=128 T=4k causal, ratios 1,8,MQA; packed D=128, two layouts; "
+                             "decode four cells")
     parser.add_argument("--tiny", action="store_true",
                         help="toy shapes that run in seconds on a CPU (smoke test only)")
     parser.add_argument("--d", type=parse_int_list, help="attention head dims, e.g. 64,128")
@@ -97,7 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "samples, so that they are taken at the card's sustained clocks, "
                              "as in a training run (default 1.0; gqa, packed 0.5; decode 0.2)")
     parser.add_argument("--sequential", action="store_true",
-                        help="attention: time the contenders one after the other, each in a "
+                        help="attention suites: time the contenders one after the other, each in a "
                              "short burst after its own warm-up, instead of in turns after "
                              "--settle")
     parser.add_argument("--contenders", type=lambda s: [x for x in s.split(",") if x],
