@@ -17,9 +17,10 @@ Attention implementations (GPTConfig.attention):
   "xla":        jax.nn.dot_product_attention(implementation="xla") with the same mask.
 
 Generation runs the same model against a key/value cache (GPT.forward_with_cache): contiguous
-[B, S, Hkv, D] or paged [num_pages, page_size, Hkv, D] with a page table [B, max_pages]. "tk"
-reads and appends to it with tk_jax.flash_attention_with_kvcache; the jax.nn implementations
-append with a scatter and read a contiguous view with key_value_seq_lengths.
+[B, S, Hkv, D] or paged [num_pages, page_size, Hkv, D] with a page table [B, max_pages]. A
+prefill runs the attention above and writes the cache; each decode step of "tk" appends to the
+cache and reads it with tk_jax.flash_attention_with_kvcache, the jax.nn implementations append
+with a scatter and read a contiguous view with key_value_seq_lengths.
 """
 from __future__ import annotations
 
@@ -238,10 +239,17 @@ def cached_attention(q, k, v, k_cache, v_cache, lengths, page_table, config: GPT
     """Attention of new tokens (q [B, Tn, Hq, D], k/v [B, Tn, Hkv, D], at positions lengths + i)
     over the cache and themselves, causally; returns (o, k_cache, v_cache) with k/v appended.
 
-    The jax.nn implementations: Tn == 1 reads the cache with key_value_seq_lengths; Tn > 1 is a
-    prefill and must start from an empty cache (it attends to the new tokens only).
+    Tn > 1 is a prefill and must start from an empty cache: it attends to the new tokens only
+    (causal_attention, the training path) and writes them to the cache. Tn == 1 is a decode
+    step: "tk" appends and attends in one tk_jax.flash_attention_with_kvcache call; the jax.nn
+    implementations append with a scatter, then read a contiguous view of the cache with
+    key_value_seq_lengths.
     """
     c = config
+    if q.shape[1] > 1:
+        o = causal_attention(q, k, v, None, c)
+        return (o, write_cache(k_cache, k, lengths, page_table),
+                write_cache(v_cache, v, lengths, page_table))
     if c.attention == "tk":
         if not hasattr(tk_jax, "flash_attention_with_kvcache"):
             raise NotImplementedError("attention 'tk' with a cache needs "
@@ -251,14 +259,9 @@ def cached_attention(q, k, v, k_cache, v_cache, lengths, page_table, config: GPT
             causal=True, backend=c.backend)
     k_cache = write_cache(k_cache, k, lengths, page_table)
     v_cache = write_cache(v_cache, v, lengths, page_table)
-    if q.shape[1] > 1:
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                         implementation=_jax_nn_implementation(c.attention))
-    else:
-        o = jax.nn.dot_product_attention(
-            q, contiguous_view(k_cache, page_table), contiguous_view(v_cache, page_table),
-            key_value_seq_lengths=lengths + 1,
-            implementation=_jax_nn_implementation(c.attention))
+    o = jax.nn.dot_product_attention(
+        q, contiguous_view(k_cache, page_table), contiguous_view(v_cache, page_table),
+        key_value_seq_lengths=lengths + 1, implementation=_jax_nn_implementation(c.attention))
     return o, k_cache, v_cache
 
 
