@@ -80,7 +80,8 @@ def make_gpt_generate(model: GPT, *, num_steps: int, temperature: float = 0.0):
 
     @functools.partial(jax.jit, donate_argnums=2)
     def prefill(params, prompt, cache):
-        logits, cache = nnx.merge(graphdef, params).forward_with_cache(prompt, cache)
+        logits, cache = nnx.merge(graphdef, params).forward_with_cache(prompt, cache,
+                                                                       last_only=True)
         return sample(logits[:, -1], jax.random.key(0), temperature), cache
 
     def decode(params, first, cache, key):
@@ -187,8 +188,9 @@ def _swa_mixer_step(mixer, x_t, ring, position):
     return mixer.out_proj(o.reshape(x_t.shape[0], -1).astype(x_t.dtype)), (keys, values)
 
 
-def based_prefill(model: BasedLM, tokens: jax.Array):
-    """Logits [B, T, V] of the prompt and the per-layer states after it."""
+def based_prefill(model: BasedLM, tokens: jax.Array, *, last_only: bool = False):
+    """Logits [B, T, V] of the prompt (last_only: [B, 1, V], of its last token) and the
+    per-layer states after it."""
     x = model.embed(tokens)
     states = []
     for block in model.blocks:
@@ -198,7 +200,7 @@ def based_prefill(model: BasedLM, tokens: jax.Array):
         x = x + y
         x = x + block.mlp(block.mlp_norm(x))
         states.append(state)
-    return _based_logits(model, x), tuple(states)
+    return _based_logits(model, x[:, -1:] if last_only else x), tuple(states)
 
 
 def based_step(model: BasedLM, token: jax.Array, states: tuple, position: jax.Array):
@@ -233,7 +235,7 @@ def make_based_generate(model: BasedLM, *, num_steps: int, temperature: float = 
 
     @jax.jit
     def prefill(params, prompt):
-        logits, states = based_prefill(nnx.merge(graphdef, params), prompt)
+        logits, states = based_prefill(nnx.merge(graphdef, params), prompt, last_only=True)
         return sample(logits[:, -1], jax.random.key(0), temperature), states
 
     def decode(params, first, states, prompt_len, key):
@@ -314,7 +316,8 @@ def run_gpt(cfg: GenerateConfig, attention: str, paged: bool, prompt):
 
     Every attention builds its model from the same seed: the same weights."""
     batch, prompt_len = prompt.shape
-    max_len = prompt_len + cfg.gen_len
+    # Capacity: whole pages, for the contiguous layout too (the same cache size either way).
+    max_len = -(-(prompt_len + cfg.gen_len) // cfg.page_size) * cfg.page_size
     page_table = (shuffled_page_table(np.random.default_rng(cfg.seed), batch, max_len,
                                       cfg.page_size) if paged else None)
     model = GPT(gpt_config(cfg, attention), rngs=nnx.Rngs(cfg.seed))
@@ -384,7 +387,8 @@ def main(argv=None) -> dict:
     for name in names[1:]:
         same = float(jnp.mean(results[name] == results[names[0]]))
         print(f"  {name} generated the same tokens as {names[0]}: {same:.1%}"
-              + (" (greedy; bf16 rounding may flip near-ties)" if cfg.temperature == 0 else ""))
+              + (" (greedy; bf16 rounding may flip near-ties)"
+                 if cfg.temperature == 0 and cfg.dtype != "float32" else ""))
     if cfg.based:
         based_prompt = prompt[:cfg.based_batch_size or cfg.batch_size]
         results["based"] = run_based(cfg, based_prompt)

@@ -355,9 +355,12 @@ class GPT(nnx.Module):
             x = block(x, positions, segment_ids)
         return self._logits(x)
 
-    def forward_with_cache(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def forward_with_cache(self, tokens: jax.Array, cache: KVCache, *,
+                           last_only: bool = False) -> tuple[jax.Array, KVCache]:
         """Logits of tokens [B, Tn] continuing each row at position cache.lengths, and the cache
-        with their keys and values appended (a prefill with Tn > 1, a decode step with 1)."""
+        with their keys and values appended (a prefill with Tn > 1, a decode step with 1).
+        last_only: logits of the last token only, [B, 1, V] (a long prompt's [B, Tn, V] float32
+        logits can outweigh the whole cache)."""
         positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
         x = self.embed(tokens)
         ks, vs = [], []
@@ -368,4 +371,4 @@ class GPT(nnx.Module):
             vs.append(v_cache)
         new_cache = cache._replace(k=tuple(ks), v=tuple(vs),
                                    lengths=cache.lengths + tokens.shape[1])
-        return self._logits(x), new_cache
+        return self._logits(x[:, -1:] if last_only else x), new_cache
