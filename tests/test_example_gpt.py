@@ -107,6 +107,28 @@ def test_config_rejects_bad_choices(gpt):
                              tiny_config(gpt, attention="cudnn"))
 
 
+def test_cudnn_packed_call_passes_jax_checks(gpt, monkeypatch):
+    """The packed-layout call as jax's cuDNN wrapper receives it (its cuDNN call stubbed out,
+    so this runs on CPU): lengths [B, M], offsets [B, M + 1], causal within documents, GQA."""
+    cudnn = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    seen = {}
+
+    def fused_attention_stub(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
+                             *args, **kwargs):
+        seen.update(lengths=q_seqlen, offsets=q_offsets, args=args)
+        return jnp.zeros_like(query)
+
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 90800)
+    monkeypatch.setattr(cudnn, "_dot_product_attention", fused_attention_stub)
+    q = jnp.zeros((2, 48, 8, 64), jnp.bfloat16)
+    k = jnp.zeros((2, 48, 2, 64), jnp.bfloat16)
+    ids = jnp.asarray(np.repeat([[0, 1, 2], [0, 0, 1]], 16, axis=1), jnp.int32)
+    assert gpt.cudnn_packed_attention(q, k, k, ids, 4).shape == q.shape
+    np.testing.assert_array_equal(seen["lengths"], [[16, 16, 16, -1], [32, 16, -1, -1]])
+    np.testing.assert_array_equal(seen["offsets"], [[0, 16, 32, -1, -1], [0, 32, -1, -1, -1]])
+    assert cudnn.MaskType.PADDING_CAUSAL in seen["args"]
+
+
 # ------------------------------------------------------------------------------ the data
 
 def test_packed_documents_are_whole_copy_task_documents(train_gpt, rng):
