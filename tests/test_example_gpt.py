@@ -205,17 +205,21 @@ def test_tk_and_xla_give_the_same_logits_on_a_packed_batch(gpt, rng, dtype, tol)
 
 # --------------------------------------------------------------------------- training
 
-@pytest.mark.parametrize("attention", ["xla", pytest.param("tk", marks=needs_tk_segments)])
-def test_tiny_training_reduces_the_loss(train_gpt, attention, capsys):
-    result = train_gpt.main(["--tiny", "--attention", attention, "--steps", "40",
-                             "--log-every", "5", "--seed", "3"])
-    losses = np.asarray(result["losses"])
-    assert len(losses) == 40 and np.isfinite(losses).all()
+def test_tiny_training_reduces_the_loss_the_same_with_tk_and_xla(train_gpt, capsys):
+    losses = {}
+    for attention in ("xla", "tk") if TK_HAS_SEGMENTS else ("xla",):
+        result = train_gpt.main(["--tiny", "--attention", attention, "--steps", "40",
+                                 "--log-every", "5", "--seed", "3"])
+        losses[attention] = np.asarray(result["losses"])
+        assert len(losses[attention]) == 40 and np.isfinite(losses[attention]).all()
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert last.startswith(f"final: attention {attention}, ") and " tokens/s " in last
+        assert f"last loss {losses[attention][-1]:.4f}" in last and result["tokens_per_s"] > 0
+    xla = losses["xla"]
     # Starts near log(64) = 4.16; learning the chain's transitions takes it well below.
-    assert losses[:3].mean() > 3.5 and losses[-5:].mean() < losses[:3].mean() - 1.0, losses
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith(f"final: attention {attention}, ") and " tokens/s " in last
-    assert f"last loss {losses[-1]:.4f}" in last and result["tokens_per_s"] > 0
+    assert xla[:3].mean() > 3.5 and xla[-5:].mean() < xla[:3].mean() - 1.0, xla
+    if "tk" in losses:  # same data and weights, float32: the same curve
+        np.testing.assert_allclose(losses["tk"], xla, rtol=2e-3, atol=2e-3)
 
 
 def test_cli_flags_override_tiny(train_gpt):
