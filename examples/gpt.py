@@ -110,7 +110,7 @@ def packed_layout(segment_ids: jax.Array, max_documents: int) -> tuple[jax.Array
     document are -1 (jax._src.cudnn's convention). A row with more than M documents would lose
     the extra ones, so M must bound them.
     """
-    batch, seq_len = segment_ids.shape
+    batch = segment_ids.shape[0]
     starts = document_starts(segment_ids)
     document = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1          # [B, T] 0, 0, 1, ...
     rows = jnp.arange(batch)[:, None]

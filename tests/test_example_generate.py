@@ -53,7 +53,8 @@ def kvcache_stand_in(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=No
         position = cache_seqlens[:, None] + jnp.arange(tnew)
         if page_table is None:
             rows = jnp.arange(batch)[:, None]
-            k_cache, v_cache = k_cache.at[rows, position].set(k_new), v_cache.at[rows, position].set(v_new)
+            k_cache = k_cache.at[rows, position].set(k_new)
+            v_cache = v_cache.at[rows, position].set(v_new)
         else:
             size = k_cache.shape[1]
             page = page_table[jnp.arange(batch)[:, None], position // size]
