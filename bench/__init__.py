@@ -4,6 +4,9 @@
 Layout of this package:
     __main__.py   command line: parses options, runs suites, writes reports
     attention.py  flash attention configurations and contenders (tk, cuDNN, FA3, XLA)
+    gqa.py        grouped-query attention: every Hq/Hkv ratio (tk, cuDNN, FA3)
+    packed.py     rows packed with documents: segment ids (tk) vs varlen (FA3) vs per document
+    decode.py     one decode step against a K/V cache: bytes read per second (tk, cuDNN, FA3)
     based.py      Based linear attention contenders (tk, plain-JAX reference, fla) and decode
     scale.py      multi-device scaling (batch-sharded attention, data-parallel LM, ring)
     timing.py     the one timing routine every contender goes through
@@ -210,12 +213,12 @@ def _release(runners: list[Runner]) -> None:
 
 
 def _outcome(contender: Contender, config_dict: dict, status: str, reason: str = "",
-             timing: Timing | None = None) -> Outcome:
+             timing: Timing | None = None, info: dict | None = None) -> Outcome:
     measured = {} if timing is None else dict(
         median_ms=timing.median_s * 1e3, min_ms=timing.min_s * 1e3, max_ms=timing.max_s * 1e3,
         reps=timing.reps, calls_per_rep=timing.calls_per_rep)
     return Outcome(config=config_dict, contender=contender.name, role=contender.role,
-                   status=status, reason=reason, **measured)
+                   status=status, reason=reason, metrics=dict(info or {}), **measured)
 
 
 def run_one(contender: Contender, config: Any, config_dict: dict, *, reps: int,
@@ -233,6 +236,7 @@ def run_interleaved(contenders: list[Contender], config: Any, config_dict: dict,
     prepared = [prepare_runner(c, config, verbose_errors) for c in contenders]
     runners = [p for p in prepared if isinstance(p, Runner)]
     failures = [None if isinstance(p, Runner) else p for p in prepared]
+    infos = iter([r.info for r in runners])
     del prepared  # the runners list holds the only references, for _release
     try:
         timings = iter(measure_interleaved(runners, reps=reps, settle_seconds=settle_seconds))
@@ -243,13 +247,13 @@ def run_interleaved(contenders: list[Contender], config: Any, config_dict: dict,
         if failure is not None:
             outcomes.append(_outcome(contender, config_dict, *failure))
             continue
-        result = next(timings)
+        result, info = next(timings), next(infos)
         if isinstance(result, Exception):
             if verbose_errors:
                 traceback.print_exception(result)
-            outcomes.append(_outcome(contender, config_dict, ERROR, short_error(result)))
+            outcomes.append(_outcome(contender, config_dict, ERROR, short_error(result), info=info))
         else:
-            outcomes.append(_outcome(contender, config_dict, OK, timing=result))
+            outcomes.append(_outcome(contender, config_dict, OK, timing=result, info=info))
     return outcomes
 
 

@@ -49,8 +49,9 @@ def outcome_summary(outcome: dict) -> str:
     """One line for the progress log: the time and metrics, or the status and its reason."""
     if outcome["status"] != OK:
         return f"{outcome['status'].upper()}: {outcome['reason']}"
-    metrics = "  ".join(f"{k}={v if isinstance(v, (list, str)) else format_number(v)}"
-                        for k, v in outcome["metrics"].items())
+    metrics = "  ".join(
+        f"{k}={format_number(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v}"
+        for k, v in outcome["metrics"].items())
     return f"{format_number(outcome['median_ms'])} ms  {metrics}"
 
 
@@ -93,6 +94,10 @@ class TableSpec:
     higher_is_better: decides how "tk / best peer" is computed (always a speed ratio: > 1
                    means tk_jax is faster)
     key_format:    optional formatting per key field
+    extra_columns: (header, cell) pairs appended to each row, where cell(row) gets the row's
+                   outcomes by contender name and returns the text of the cell (e.g. a second
+                   ratio, or which setting a peer ran with)
+    footer:        a sentence under the tables (what the extra columns mean)
     """
 
     group_field: str
@@ -101,6 +106,8 @@ class TableSpec:
     metric_name: str
     higher_is_better: bool
     key_format: dict = dataclasses.field(default_factory=dict)
+    extra_columns: tuple[tuple[str, Callable[[dict], str]], ...] = ()
+    footer: str = ""
 
 
 def _config_key(config: dict, fields: Iterable[str]) -> tuple:
@@ -140,6 +147,7 @@ def results_tables(outcomes: list[dict], contender_names: list[str], spec: Table
         headers = list(spec.key_fields) + [f"{n} ({spec.metric_name})" for n in names]
         if has_ours and has_peers:
             headers.append("tk / best peer")
+        headers += [header for header, _ in spec.extra_columns]
         rows = []
         for key in sorted(by_row, key=_natural_order):
             cells = [spec.key_format.get(f, str)(v) for f, v in zip(spec.key_fields, key)]
@@ -162,6 +170,7 @@ def results_tables(outcomes: list[dict], contender_names: list[str], spec: Table
                 best_value, best_name = pick(peers) if peers else (None, "")
                 ratio = speed_ratio(ours, best_value, spec.higher_is_better)
                 cells.append("-" if ratio is None else f"{ratio:.2f}x vs {best_name}")
+            cells += [cell(by_row[key]) for _, cell in spec.extra_columns]
             rows.append(cells)
         title = f"### {spec.group_field} = {group}" if spec.group_field else "###"
         sections.append(f"{title}\n\n{markdown_table(headers, rows)}")
@@ -169,9 +178,35 @@ def results_tables(outcomes: list[dict], contender_names: list[str], spec: Table
     if has_ours and has_peers:
         sections.append("`tk / best peer` is a speed ratio of tk_jax's kernel over the fastest "
                         "other library: above 1 means tk_jax is faster.")
+    if spec.footer:
+        sections.append(spec.footer)
     if notes.numbers:
         sections.append(notes.text())
     return "\n\n".join(sections)
+
+
+def metric_of(row: dict, name: str, metric: Callable[[dict], float]) -> float | None:
+    """The metric of contender `name` in a table row (outcomes by contender name), or None
+    when it did not run there."""
+    o = row.get(name)
+    return metric(o) if o is not None and o["status"] == OK else None
+
+
+def best_peer(row: dict, metric: Callable[[dict], float],
+              higher_is_better: bool = True) -> tuple[float | None, str]:
+    """(value, name) of the fastest peer that ran in a table row, or (None, "")."""
+    peers = [(metric(o), name) for name, o in row.items()
+             if o["role"] == PEER and o["status"] == OK]
+    if not peers:
+        return None, ""
+    return (max if higher_is_better else min)(peers)
+
+
+def ratio_cell(numerator: float | None, denominator: float | None, suffix: str = "") -> str:
+    """'1.23x' (+ suffix), or '-' when either side is missing."""
+    if not numerator or not denominator:
+        return "-"
+    return f"{numerator / denominator:.2f}x{suffix}"
 
 
 def environment_lines(environment: dict) -> list[str]:

@@ -88,13 +88,16 @@ class Runner:
 
     `call(i)` runs it on input set `i` (0 <= i < n_sets) and returns its output without
     waiting for it; `clock` knows how to wait. `release`, if given, is called once the runner
-    is dropped (e.g. to hand PyTorch's cached memory back before JAX needs it).
+    is dropped (e.g. to hand PyTorch's cached memory back before JAX needs it). `info` holds
+    what the contender chose while preparing (e.g. FA3's num_splits); it is copied into the
+    outcome's metrics.
     """
 
     call: Callable[[int], Any]
     n_sets: int
     clock: Clock
     release: Callable[[], None] | None = None
+    info: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,14 +119,25 @@ def fwd_bwd(attend: Callable) -> Callable:
     return step
 
 
-def compiled_jax_runner(attend, sets, *, backward: bool) -> Runner:
-    """A Runner over input sets for `attend(q, k, v) -> o` (forward), or for its VJP with the
-    set's fourth array as the output cotangent (forward + backward). Compiled here, so that
+def compiled_jax_runner(attend, sets, *, backward: bool, constants: tuple = ()) -> Runner:
+    """A Runner over input sets for `attend(q, k, v, *constants) -> o` (forward), or for its
+    VJP in q, k, v with the set's fourth entry as the output cotangent (forward + backward).
+    q, k, v may be pytrees (e.g. tuples of per-document arrays). `constants` (e.g. segment
+    ids) are passed to every call as arguments, not differentiated. Compiled here, so that
     argument errors raised while tracing surface before any timing."""
     import jax
 
-    compiled = jax.jit(fwd_bwd(attend) if backward else attend).lower(*sets[0]).compile()
-    return Runner(call=lambda i: compiled(*sets[i]), n_sets=len(sets), clock=JaxClock())
+    if constants:
+        if backward:
+            def step(q, k, v, cotangent, *extra):
+                return fwd_bwd(lambda q, k, v: attend(q, k, v, *extra))(q, k, v, cotangent)
+        else:
+            step = attend
+    else:
+        step = fwd_bwd(attend) if backward else attend
+    compiled = jax.jit(step).lower(*sets[0], *constants).compile()
+    return Runner(call=lambda i: compiled(*sets[i], *constants), n_sets=len(sets),
+                  clock=JaxClock())
 
 
 def _warm_up(runner: Runner, *, warmup: int, min_rep_seconds: float, max_calls_per_rep: int) -> int:

@@ -426,3 +426,286 @@ def test_compiled_jax_runner_forward_and_backward(rng):
     for got, want in zip((dq, dk, dv), expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert both.n_sets == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The gqa, packed and decode suites: their grids, arithmetic and reports on CPU.
+
+from bench import decode, gqa, packed  # noqa: E402
+
+
+def test_new_suites_parse_with_frugal_defaults():
+    for suite, reps, settle in (("gqa", 5, 0.5), ("packed", 5, 0.5), ("decode", 5, 0.2),
+                                ("attention", 10, 1.0)):
+        args = parse_args([suite])
+        assert (args.suite, args.reps, args.settle) == (suite, reps, settle)
+    args = parse_args(["gqa", "--ratios", "1,4,MQA", "--full", "--reps", "3", "--settle", "0"])
+    assert args.ratios == [1, 4, "mqa"] and args.full and args.reps == 3 and args.settle == 0
+    args = parse_args(["decode", "--heads", "32/8,64/8", "--batch", "1,8", "--cache", "4k,128k",
+                       "--q-tokens", "1,4", "--page-sizes", "16", "--fa3-splits", "1,4",
+                       "--max-cache-gb", "10"])
+    assert args.heads == [(32, 8), (64, 8)] and args.batch == [1, 8]
+    assert args.cache == [4096, 131072] and args.q_tokens == [1, 4]
+    assert args.page_sizes == [16] and args.fa3_splits == [1, 4] and args.max_cache_gb == 10
+    args = parse_args(["packed", "--layouts", "mean2k,long+short", "--rows", "2", "--heads",
+                       "8/2"])
+    assert args.layouts == ["mean2k", "long+short"] and args.rows == 2
+    assert args.heads == [(8, 2)]
+
+
+@pytest.mark.parametrize("argv", [["gqa", "--ratios", "0"], ["gqa", "--ratios", "two"],
+                                  ["decode", "--heads", "32/5"], ["decode", "--heads", "32"],
+                                  ["packed", "--layouts", "mean1k"], ["packed", "--rows", "0"],
+                                  ["packed", "--heads", "16/4,8/2"],
+                                  ["decode", "--max-cache-gb", "0"]])
+def test_new_suites_reject_bad_arguments(argv):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+
+
+def test_gqa_grid_heads_ratios_and_flops():
+    configs, notes = gqa.make_configs(gqa.T_GRID, gqa.D_GRID, gqa.RATIOS, (False, True),
+                                      (False, True))
+    assert not notes
+    # Hq * D = 4096; every ratio at every D, 16 and MQA being one point at D = 256.
+    assert len(configs) == 2 * 2 * len(gqa.T_GRID) * (6 + 6 + 5)
+    for c in configs:
+        assert c.hq * c.d == gqa.QUERY_WIDTH and c.batch * c.t == gqa.TOKENS
+        assert c.hq == c.hkv * c.q_per_kv
+    groups = {d: sorted({c.q_per_kv for c in configs if c.d == d}) for d in gqa.D_GRID}
+    assert groups == {64: [1, 2, 4, 8, 16, 64], 128: [1, 2, 4, 8, 16, 32],
+                      256: [1, 2, 4, 8, 16]}
+    full, _ = gqa.make_configs(gqa.FULL_T, gqa.D_GRID, gqa.RATIOS, (True,), (True,))
+    assert sorted({c.t for c in full}) == [1024, 2048, 4096, 8192, 16384]
+    odd, notes = gqa.make_configs((3000,), (96,), (3,), (True,), (True,))
+    assert odd == [] and len(notes) == 2  # T and D that do not divide are named
+    c = gqa.GqaConfig(d=4, causal=True, t=8, batch=3, q_per_kv=5, hq=5, hkv=1, backward=True)
+    assert gqa.gqa_flops(c) == 4 * 3 * 5 * 8 * 8 * 4 / 2 * 3.5
+
+
+def test_packed_layouts_are_fixed_and_fill_the_rows():
+    for name in packed.LAYOUTS:
+        rows = packed.document_lengths(name, 4, packed.ROW_TOKENS)
+        packed.document_lengths.cache_clear()
+        assert packed.document_lengths(name, 4, packed.ROW_TOKENS) == rows  # fixed seeds
+        assert len(rows) == 4 and all(sum(r) == packed.ROW_TOKENS for r in rows)
+        assert all(n >= 1 for r in rows for n in r)
+        assert len({r for r in rows}) == 4  # rows differ
+    mean = lambda rows: sum(map(sum, rows)) / sum(map(len, rows))  # noqa: E731
+    assert 350 < mean(packed.document_lengths("mean512", 4, packed.ROW_TOKENS)) < 700
+    assert 1200 < mean(packed.document_lengths("mean2k", 4, packed.ROW_TOKENS)) < 3000
+    for row in packed.document_lengths("long+short", 4, packed.ROW_TOKENS):
+        assert max(row) == 12288 and len(row) > 10
+
+
+def test_packed_ids_offsets_and_exact_flops():
+    import numpy as np
+
+    config = packed.make_configs(["long+short"], [8], [True], rows=2, row_tokens=64,
+                                 heads=(4, 2))[0]
+    lengths = packed.all_lengths(config)
+    assert config.docs == len(lengths) and sum(lengths) == 128
+    ids = packed.segment_ids(config)
+    cu = packed.cu_seqlens(config)
+    assert ids.shape == (2, 64) and ids.dtype == np.int32 and cu.dtype == np.int32
+    assert list(np.diff(cu)) == lengths and cu[-1] == 128
+    # FLOPs: the (query, key) pairs a causal mask within equal ids keeps, counted directly.
+    positions = np.arange(64)
+    pairs = sum(int(((ids[r][:, None] == ids[r][None, :]) &
+                     (positions[:, None] >= positions[None, :])).sum()) for r in range(2))
+    assert packed.packed_flops(config) == 4 * 4 * 8 * pairs * 3.5
+
+
+def test_decode_grid_cells_and_call_sizes():
+    configs, notes = decode.make_configs(decode.BATCHES, decode.CACHES, decode.HEADS,
+                                         decode.FULL_D, decode.FULL_Q_TOKENS)
+    # B=64, S=128k with 32 K/V heads is 64 or 128 GiB: left out at D 64 and 128, 1 and 4 tokens.
+    assert len(configs) == 3 * 3 * 4 * 2 * 2 - 4 and len(notes) == 4
+    assert all("B=64 S=131072 Hq/Hkv=32/32" in note for note in notes)
+    default, _ = decode.make_configs(decode.BATCHES, decode.CACHES, decode.HEADS,
+                                     decode.D_GRID, decode.Q_TOKENS)
+    assert len(default) == 35
+    for c in configs:
+        n = c.kv_bytes
+        assert n == 2 * c.batch * c.cache * c.hkv * c.d * 2 and n <= 40 * 2**30
+        assert c.steps == decode.MAX_STEPS or c.steps * n >= decode.TARGET_CALL_BYTES
+        assert 1 <= c.sets <= c.steps
+        assert c.sets == c.steps or c.sets * n >= 2 * timing.L2_BYTES
+    assert decode.steps_and_sets(2**30) == (1, 1)
+    assert decode.steps_and_sets(64 * 2**20) == (2, 2)
+    assert decode.steps_and_sets(2**20) == (16, 16)
+    quick, _ = decode.make_configs(decode.BATCHES, decode.CACHES, decode.HEADS, decode.D_GRID,
+                                   decode.Q_TOKENS, cells=decode.QUICK_CELLS)
+    assert len(quick) == len(decode.QUICK_CELLS)
+
+
+def test_decode_inputs_are_random_and_pages_a_permutation():
+    import jax.numpy as jnp
+    import numpy as np
+
+    x = np.asarray(decode.pseudo_random((3, 50, 2, 8), jnp.bfloat16, 0), np.float32)
+    y = np.asarray(decode.pseudo_random((3, 50, 2, 8), jnp.bfloat16, 1), np.float32)
+    assert x.min() >= -1 and x.max() <= 1 and 0.4 < x.std() < 0.8  # [-1, 1) before bf16 rounding
+    assert len(np.unique(x)) > 100 and not np.array_equal(x, y)
+    config = decode.make_configs((2,), (64,), ((4, 2),), (8,), (1,))[0][0]
+    table = np.asarray(decode.page_table(config, 16))
+    assert table.shape == (2, 4) and sorted(table.ravel()) == list(range(8))
+
+
+def test_fastest_setting_picks_the_fastest_and_skips_failures():
+    def build(seconds):
+        def make():
+            if seconds is None:
+                raise ValueError("num_splits not supported")
+            return timing.Runner(call=lambda i: None, n_sets=1, clock=FakeClock(),
+                                 info={"seconds": seconds})
+        return make
+
+    runner = decode.fastest_setting({1: build(3e-3), 2: build(1e-3), 16: build(None)},
+                                    "num_splits", per_call=2,
+                                    time_runner=lambda r: r.info["seconds"])
+    assert runner.info["num_splits"] == 2
+    assert runner.info["num_splits_tried"].startswith("1: 1500.0 us, 2: 500.0 us, 16: error")
+    with pytest.raises(RuntimeError, match="every num_splits failed"):
+        decode.fastest_setting({16: build(None)}, "num_splits", time_runner=lambda r: 1.0)
+
+
+def test_runner_info_reaches_the_outcome():
+    c = contender("picky", lambda cfg: timing.Runner(call=lambda i: None, n_sets=1,
+                                                     clock=FakeClock(), info={"num_splits": 4}))
+    outcome = bench.run_one(c, None, {}, reps=1)
+    assert outcome.status == bench.OK and outcome.metrics == {"num_splits": 4}
+
+
+def test_compiled_jax_runner_passes_constants_undifferentiated(rng):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def attend(q, k, v, ids):
+        return jnp.where(ids[:, None] > 0, q * k, v)
+
+    ids = jnp.asarray([0, 1, 1], jnp.int32)
+    q, k, v, cot = (jnp.asarray(rng.standard_normal((3, 2)), jnp.float32) for _ in range(4))
+    both = timing.compiled_jax_runner(attend, [(q, k, v, cot)], backward=True, constants=(ids,))
+    o, grads = both.call(0)
+    expected = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v, ids) * cot), (0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(o, attend(q, k, v, ids), rtol=1e-6)
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    forward = timing.compiled_jax_runner(attend, [(q, k, v)], backward=False, constants=(ids,))
+    np.testing.assert_allclose(forward.call(0), attend(q, k, v, ids), rtol=1e-6)
+
+
+def test_extra_columns_and_ratio_helpers():
+    def o(name, role, value, status="ok"):
+        return {"config": {"pass": "fwd", "t": 1}, "contender": name, "role": role,
+                "status": status, "reason": "", "median_ms": 1.0,
+                "metrics": {"tflops": value} if value else {}}
+
+    row = {"tk": o("tk", bench.OURS, 300.0), "fa3_varlen": o("fa3_varlen", bench.PEER, 200.0),
+           "tk_per_doc": o("tk_per_doc", bench.BASELINE, 400.0),
+           "cudnn": o("cudnn", bench.PEER, None, status="error")}
+    metric = lambda x: x["metrics"]["tflops"]  # noqa: E731
+    assert report.best_peer(row, metric) == (200.0, "fa3_varlen")
+    assert report.metric_of(row, "cudnn", metric) is None
+    assert report.ratio_cell(300.0, 400.0) == "0.75x" and report.ratio_cell(None, 1.0) == "-"
+    spec = report.TableSpec(group_field="pass", key_fields=("t",), metric=metric,
+                            metric_name="TFLOP/s", higher_is_better=True,
+                            extra_columns=(("tk / tk_per_doc", lambda r: report.ratio_cell(
+                                report.metric_of(r, "tk", metric),
+                                report.metric_of(r, "tk_per_doc", metric))),),
+                            footer="Targets: see the issue.")
+    text = report.results_tables(list(row.values()), ["tk", "fa3_varlen", "tk_per_doc"], spec)
+    line = next(line for line in text.splitlines() if line.startswith("| 1 "))
+    assert "1.50x vs fa3_varlen" in line and line.rstrip(" |").endswith("0.75x")
+    assert "tk / tk_per_doc" in text and "Targets: see the issue." in text
+
+
+def test_new_suite_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+
+    def o(name, role, config, **metrics):
+        return {"config": config, "contender": name, "role": role, "status": "ok",
+                "reason": "", "median_ms": 1.0, "metrics": metrics}
+
+    outcomes = []
+    for d in (64, 128):
+        for group in (1, 4, 4096 // d):
+            for causal in (False, True):
+                for p in ("fwd", "fwd+bwd"):
+                    config = {"d": d, "t": 4096, "causal": causal, "pass": p, "q_per_kv": group}
+                    outcomes += [o("tk", bench.OURS, config, tflops=500.0 - group),
+                                 o("cudnn", bench.PEER, config, tflops=450.0),
+                                 o("fa3", bench.PEER, config, tflops=480.0)]
+    ratios = gqa.tk_over_best(outcomes)
+    assert len(ratios) == 2 * 3 * 4 and math.isclose(ratios[(64, 4096, True, "fwd", 1)],
+                                                     499 / 480)
+    assert gqa.write_ratio_plot(str(tmp_path / "g.png"), outcomes, [], "gqa")
+    decode_outcomes = []
+    for kv_mb, batch in ((4.0, 1), (256.0, 8)):
+        config = {"d": 128, "hq": 32, "hkv": 8, "batch": batch, "cache": 4096, "q_tokens": 1,
+                  "kv_mb": kv_mb, "steps": 1, "sets": 1, "pass": "fwd"}
+        decode_outcomes += [o("tk", bench.OURS, config, tb_per_s=3.0, of_copy=0.9),
+                            o("tk_flash", bench.BASELINE, config, tb_per_s=2.0, of_copy=0.6),
+                            o("cudnn", bench.PEER, config, tb_per_s=2.8, of_copy=0.85)]
+    assert decode.write_plot(str(tmp_path / "d.png"), decode_outcomes,
+                             ["tk", "tk_flash", "cudnn"], "decode")
+    packed_outcomes = [o(name, role, {"layout": layout, "d": 128, "pass": "fwd"}, tflops=v)
+                       for layout in packed.LAYOUTS
+                       for name, role, v in (("tk", bench.OURS, 400.0),
+                                             ("fa3_varlen", bench.PEER, 300.0))]
+    assert packed.write_bar_plot(str(tmp_path / "p.png"), packed_outcomes,
+                                 ["tk", "fa3_varlen"], "packed")
+    for name in ("g", "d", "p"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000
+
+
+def test_new_suites_dry_run(capsys):
+    assert main(["gqa", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "gqa: 68 configurations x 3 contenders (tk, cudnn, fa3)" in out
+    assert "expected on one H100: about" in out and "Hq = 64 at D=64, 32 at D=128" in out
+    assert main(["gqa", "--quick", "--dry-run"]) == 0
+    assert "gqa: 6 configurations" in capsys.readouterr().out
+    assert main(["packed", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "packed: 12 configurations x 3 contenders (tk, fa3_varlen, tk_per_doc)" in out
+    assert "layout long+short: one document of 12288 tokens" in out
+    assert main(["decode", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "decode: 35 configurations x 8 contenders" in out and "left out B=64" in out
+    assert main(["decode", "--full", "--dry-run", "--contenders", "tk,cudnn,fa3"]) == 0
+    assert "decode: 140 configurations x 3 contenders" in capsys.readouterr().out
+    assert main(["decode", "--dry-run", "--contenders", "nonsense"]) == 2
+
+
+def test_tiny_new_suites_record_every_contender(tmp_path):
+    """Toy shapes on CPU: the reference backend runs; peers and APIs that are absent here are
+    recorded (not raised) and the run goes on."""
+    common = ["--tiny", "--reps", "1", "--settle", "0", "--tk-backend", "reference", "--out",
+              str(tmp_path), "--card-name", "cpu", "--no-plot", "--fwd-only"]
+    assert main(["gqa", "--ratios", "1,mqa", "--causal", "yes"] + common) == 0
+    assert main(["packed", "--layouts", "mean2k"] + common) == 0
+    assert main(["decode", "--batch", "1", "--cache", "64", "--heads", "4/1"] + common) == 0
+    for suite, contenders, ran in (("gqa", gqa.contenders("reference"), ["tk_reference"]),
+                                   ("packed", packed.contenders("reference"),
+                                    ["tk_per_doc_reference"]),
+                                   ("decode", decode.contenders("reference", (16,)),
+                                    ["tk_flash_reference"])):
+        document = json.loads((tmp_path / f"{suite}-cpu.json").read_text())
+        by_name = {}
+        for o in document["results"]:
+            by_name.setdefault(o["contender"], []).append(o)
+        assert set(by_name) == {c.name for c in contenders}, suite
+        for name in ran:
+            assert all(o["status"] == "ok" for o in by_name[name]), by_name[name]
+        assert (tmp_path / f"{suite}-cpu.md").exists()
+    decode_doc = json.loads((tmp_path / "decode-cpu.json").read_text())
+    assert decode_doc["reference"]["bytes_per_s"] > 0
+    flash = next(o for o in decode_doc["results"] if o["contender"] == "tk_flash_reference")
+    assert flash["metrics"]["tb_per_s"] > 0 and flash["metrics"]["of_copy"] > 0
+    assert "device copy rate" in (tmp_path / "decode-cpu.md").read_text()
+    packed_doc = json.loads((tmp_path / "packed-cpu.json").read_text())
+    segments = next(o for o in packed_doc["results"] if o["contender"] == "tk_reference")
+    assert segments["status"] in ("ok", "unavailable"), segments  # until segment ids land

@@ -1,0 +1,274 @@
+"""Grouped-query attention benchmark: tk_jax's kernel against cuDNN and FlashAttention-3 at
+every ratio of query heads to K/V heads.
+
+The grid keeps the work per point comparable: 16384 tokens per step (B = 16384 / T) and a
+fixed query width Hq * D = 4096, so Hq is 64 / 32 / 16 at D = 64 / 128 / 256 and both a ratio
+of 16 and MQA (one K/V head) exist at every head dim (at D = 256 they are the same point).
+Hkv = Hq / ratio. Inputs are bf16 in the [B, T, H, D] layout every contender reads directly.
+FLOPs count the query heads, as the attention suite does: forward 4*B*Hq*T*T*D, half of it
+when causal, forward+backward 3.5x the forward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from bench import (BASELINE, OURS, PEER, Contender, Outcome, Unsupported, distribution_version,
+                   module_unavailable, pass_name, random_normal_sets)
+from bench.timing import Runner, compiled_jax_runner, input_sets_needed
+
+TOKENS = 16384                 # tokens per step: B = TOKENS / T
+QUERY_WIDTH = 4096             # Hq * D
+MQA = "mqa"                    # the ratio Hq / 1
+RATIOS = (1, 2, 4, 8, 16, MQA)
+T_GRID = (4096,)               # default: one length, every ratio, head dim, mask and pass
+FULL_T = (1024, 2048, 4096, 8192, 16384)
+D_GRID = (64, 128, 256)
+QUICK = dict(t=(4096,), d=(128,), ratios=(1, 8, MQA), causal=(True,))
+TINY_TOKENS, TINY_WIDTH, TINY_T, TINY_D = 256, 128, (64,), (32,)  # CPU smoke test
+FA3_MAX_HEAD_DIM = 128         # the flash_attn3_jax wheel ships kernels up to head dim 128
+BACKWARD_FLOP_FACTOR = 2.5
+SECONDS_PER_CELL = 2.5         # rough H100 cost of one cell (3 compiles, settle, samples)
+
+
+@dataclasses.dataclass(frozen=True)
+class GqaConfig:
+    d: int
+    causal: bool
+    t: int
+    batch: int
+    q_per_kv: int   # Hq / Hkv
+    hq: int
+    hkv: int
+    backward: bool
+
+    def label(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return (f"D={self.d} T={self.t} {mask} {pass_name(self.backward)} "
+                f"Hq/Hkv={self.hq}/{self.hkv} (B={self.batch})")
+
+
+def parse_ratios(text: str) -> list:
+    """'1,4,mqa' -> [1, 4, 'mqa'] (an argparse type)."""
+    import argparse
+
+    values: list = []
+    for item in text.replace(" ", "").lower().split(","):
+        if not item:
+            continue
+        if item == MQA:
+            values.append(MQA)
+            continue
+        try:
+            value = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected ratios such as 1,2,4,8,16,mqa; got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"ratios must be positive, got {item!r}")
+        values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one ratio, got {text!r}")
+    return values
+
+
+def make_configs(t_values, d_values, ratios, causal_values, backward_values, *,
+                 tokens=TOKENS, width=QUERY_WIDTH) -> tuple[list[GqaConfig], list[str]]:
+    """The grid, ordered pass, D, mask, T, ratio; and notes on the points left out (T not
+    dividing `tokens`, D not dividing `width`, a ratio not dividing Hq). A ratio equal to Hq is
+    MQA: it appears once."""
+    configs, notes = [], []
+    for d in d_values:
+        if width % d:
+            notes.append(f"D={d} left out: must divide Hq*D = {width}")
+    for t in t_values:
+        if tokens % t:
+            notes.append(f"T={t} left out: must divide {tokens} tokens per step")
+    for backward in backward_values:
+        for d in d_values:
+            if width % d:
+                continue
+            hq = width // d
+            groups = []
+            for ratio in ratios:
+                group = hq if ratio == MQA else ratio
+                if hq % group:
+                    if backward == backward_values[0]:
+                        notes.append(f"ratio {ratio} left out at D={d}: must divide Hq={hq}")
+                    continue
+                if group not in groups:
+                    groups.append(group)
+            for causal in causal_values:
+                for t in t_values:
+                    if tokens % t:
+                        continue
+                    for group in groups:
+                        configs.append(GqaConfig(d=d, causal=causal, t=t, batch=tokens // t,
+                                                 q_per_kv=group, hq=hq, hkv=hq // group,
+                                                 backward=backward))
+    return configs, notes
+
+
+def gqa_flops(config: GqaConfig) -> float:
+    """Matmul FLOPs over the query heads: forward 4*B*Hq*T*T*D, half of it when causal;
+    forward+backward 3.5x the forward."""
+    flops = 4.0 * config.batch * config.hq * config.t * config.t * config.d
+    if config.causal:
+        flops /= 2
+    if config.backward:
+        flops *= 1 + BACKWARD_FLOP_FACTOR
+    return flops
+
+
+def add_metrics(config: GqaConfig, outcome: Outcome) -> None:
+    outcome.metrics["tflops"] = gqa_flops(config) / (outcome.median_ms * 1e-3) / 1e12
+
+
+# ---------------------------------------------------------------------------------------------
+# Contenders.
+
+def gqa_runner(attend, config: GqaConfig) -> Runner:
+    """Compile `attend(q, k, v) -> o` (or its VJP) on random bf16 inputs of `config`'s shape."""
+    q_shape = (config.batch, config.t, config.hq, config.d)
+    kv_shape = (config.batch, config.t, config.hkv, config.d)
+    shapes = [q_shape, kv_shape, kv_shape] + [q_shape] * config.backward  # + cotangent
+    bytes_per_set = sum(math.prod(s) for s in shapes) * 2
+    sets = random_normal_sets(shapes, input_sets_needed(bytes_per_set))
+    return compiled_jax_runner(attend, sets, backward=config.backward)
+
+
+def tk_contender(backend: str = "kernel") -> Contender:
+    def prepare(config: GqaConfig) -> Runner:
+        import tk_jax
+
+        attend = functools.partial(tk_jax.flash_attention, causal=config.causal, backend=backend)
+        try:
+            return gqa_runner(attend, config)
+        except ValueError as err:  # backend="kernel" declines what it cannot run
+            raise Unsupported(str(err)) from None
+
+    return Contender(
+        name="tk" if backend == "kernel" else f"tk_{backend}",
+        description=f'tk_jax.flash_attention(backend="{backend}")',
+        role=OURS if backend == "kernel" else BASELINE,
+        unavailable=lambda: module_unavailable("tk_jax"),
+        prepare=prepare,
+        version=lambda: distribution_version("tk_jax"))
+
+
+def cudnn_contender() -> Contender:
+    def prepare(config: GqaConfig) -> Runner:
+        import jax
+
+        attend = functools.partial(jax.nn.dot_product_attention, is_causal=config.causal,
+                                   implementation="cudnn")
+        return gqa_runner(attend, config)
+
+    return Contender(
+        name="cudnn",
+        description='jax.nn.dot_product_attention(implementation="cudnn")',
+        role=PEER, unavailable=lambda: None, prepare=prepare,
+        version=lambda: distribution_version("jax"))
+
+
+def fa3_contender() -> Contender:
+    # flash_attn3_jax.flash_mha(q, k, v, softmax_scale=None, is_causal=False, window_size):
+    # [B, T, H, D], K/V heads dividing the query heads.
+    def prepare(config: GqaConfig) -> Runner:
+        if config.d > FA3_MAX_HEAD_DIM:
+            # Declined here: an unsupported head dim fails inside the C++ extension.
+            raise Unsupported(f"the flash_attn3_jax wheel supports head dim <= "
+                              f"{FA3_MAX_HEAD_DIM}, got {config.d}")
+        import flash_attn3_jax
+
+        attend = functools.partial(flash_attn3_jax.flash_mha, is_causal=config.causal)
+        return gqa_runner(attend, config)
+
+    return Contender(
+        name="fa3",
+        description="flash_attn3_jax.flash_mha (FlashAttention-3 for JAX)",
+        role=PEER,
+        unavailable=lambda: module_unavailable("flash_attn3_jax"),
+        prepare=prepare,
+        version=lambda: distribution_version("flash_attn3_jax"))
+
+
+def contenders(tk_backend: str = "kernel") -> list[Contender]:
+    return [tk_contender(tk_backend), cudnn_contender(), fa3_contender()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Report: the table is the generic one; the plot shows tk / best peer against the ratio.
+
+def tk_over_best(outcomes: list[dict]) -> dict[tuple, float]:
+    """(d, t, causal, pass, q_per_kv) -> tk's TFLOP/s over the best peer's, where both ran."""
+    cells: dict[tuple, dict[str, dict]] = {}
+    for o in outcomes:
+        c = o["config"]
+        key = (c["d"], c["t"], c["causal"], c["pass"], c["q_per_kv"])
+        cells.setdefault(key, {})[o["contender"]] = o
+    ratios = {}
+    for key, row in cells.items():
+        ours = [o["metrics"]["tflops"] for o in row.values()
+                if o["role"] == OURS and o["status"] == "ok"]
+        peers = [o["metrics"]["tflops"] for o in row.values()
+                 if o["role"] == PEER and o["status"] == "ok"]
+        if ours and peers:
+            ratios[key] = ours[0] / max(peers)
+    return ratios
+
+
+def write_ratio_plot(path: str, outcomes: list[dict], contender_names: list[str],
+                     title: str) -> str | None:
+    """One panel per (D, T): tk / best peer against Hq / Hkv, a line per (mask, pass), with
+    the issue's 1.05 target drawn. None if matplotlib is missing or no ratio was measured."""
+    del contender_names  # the plot shows one ratio, not the contenders
+    ratios = tk_over_best(outcomes)
+    if not ratios:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return None
+    import os
+
+    d_values = sorted({k[0] for k in ratios})
+    t_values = sorted({k[1] for k in ratios})
+    fig, axes = plt.subplots(len(d_values), len(t_values), squeeze=False,
+                             figsize=(4.2 * len(t_values), 3.2 * len(d_values)))
+    series = [(causal, p) for causal in (False, True) for p in ("fwd", "fwd+bwd")]
+    styles = {s: (f"C{i}", "o-" if s[1] == "fwd" else "s--") for i, s in enumerate(series)}
+    for row, d in enumerate(d_values):
+        for col, t in enumerate(t_values):
+            axis = axes[row][col]
+            for causal, p in series:
+                points = sorted((k[4], v) for k, v in ratios.items()
+                                if k[:4] == (d, t, causal, p))
+                if points:
+                    xs, ys = zip(*points)
+                    color, style = styles[(causal, p)]
+                    axis.plot(xs, ys, style, color=color,
+                              label=f"{'causal' if causal else 'full'} {p}")
+            axis.axhline(1.0, color="gray", lw=0.8)
+            axis.axhline(1.05, color="red", lw=0.8, ls=":")
+            groups = sorted({k[4] for k in ratios if k[0] == d})
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(groups, [str(g) if g < QUERY_WIDTH // d else f"{g}\n(MQA)"
+                                     for g in groups])
+            axis.minorticks_off()
+            axis.set_xlabel("Hq / Hkv")
+            axis.set_ylabel("tk / best peer")
+            axis.set_title(f"D={d} T={t} (Hq={QUERY_WIDTH // d})", fontsize=10)
+            axis.grid(True, alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, frameon=False)
+    fig.suptitle(title + ": tk TFLOP/s over the best of cuDNN and FA3 (red: 1.05)")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
