@@ -13,8 +13,10 @@
 // max while P stays below 2^8, which skips most rescales of O: see online_softmax_step.) The
 // next key tile's scores are issued before this tile's P V, so that one tile's softmax runs
 // while the tensor cores work on the other's product. Registers move from the producer (which
-// needs few) to the consumers with setmaxnreg. Tiles outside the causal / window band are never
-// loaded; only tiles crossing its edges or the end of the keys are masked.
+// needs few) to the consumers with setmaxnreg. Key tiles outside the causal / window band, past
+// the lengths, or (with segment ids) sharing no segment with the item's queries are never
+// loaded; only tiles crossing the band's edges or the lengths, or holding more than one segment
+// id, are masked element by element (segment_ranges.cuh).
 //
 // Two grids share that code. Where the keys are many, a plain grid runs one item per block.
 // Where they are few, an item is short next to a block's start-up and write-out, so a
