@@ -21,12 +21,13 @@ struct split_workspace {
   __host__ __device__ static int64_t rows(int64_t batch, int64_t heads_q, int64_t seq_q) {
     return batch * heads_q * seq_q;
   }
-  // o's bytes, then lse's, each a multiple of 16 bytes.
+  // o's bytes, then lse's: linear in rows (so in batch), and o stays 16-byte aligned (it
+  // comes first, at the buffer's start).
   __host__ __device__ static size_t o_bytes(int64_t rows, int64_t splits, int64_t head_dim) {
-    return size_t(rows * splits * head_dim) * sizeof(float);  // head_dim is a multiple of 4
+    return size_t(rows * splits * head_dim) * sizeof(float);
   }
   __host__ __device__ static size_t lse_bytes(int64_t rows, int64_t splits) {
-    return (size_t(rows * splits) * sizeof(float) + 15) / 16 * 16;
+    return size_t(rows * splits) * sizeof(float);
   }
   __host__ __device__ static split_workspace of(void* base, int64_t rows, int splits, int head_dim) {
     char* bytes = static_cast<char*>(base);
