@@ -61,12 +61,12 @@ def reference_kvcache(q, k_cache, v_cache, seqlens, page_table, scale, window_le
     qg = q.reshape(b, tq, hkv, group, d)
     scores = np.einsum("btkgd,bjkd->bkgtj", qg, k) * scale           # [B, Hkv, G, Tq, S]
     scores = np.where(visible[:, None, None], scores, -np.inf)
-    m = scores.max(-1, keepdims=True)
-    seen = np.isfinite(m)
-    p = np.where(seen, np.exp(scores - np.where(seen, m, 0.0)), 0.0)
+    m = scores.max(-1, keepdims=True)  # NaN where a visible score is NaN: the row becomes NaN
+    blind = m == -np.inf
+    p = np.exp(scores - np.where(blind, 0.0, m))
     l = p.sum(-1, keepdims=True)
-    o = np.einsum("bkgtj,bjkd->btkgd", p / np.where(seen, l, 1.0), v).reshape(b, tq, hq, d)
-    lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)[..., 0]  # [B, Hkv, G, Tq]
+    o = np.einsum("bkgtj,bjkd->btkgd", np.where(blind, 0.0, p / np.where(blind, 1.0, l)), v).reshape(b, tq, hq, d)
+    lse = np.where(blind, -np.inf, m + np.log(np.where(blind, 1.0, l)))[..., 0]  # [B, Hkv, G, Tq]
     return o, lse.reshape(b, hq, tq)
 
 
