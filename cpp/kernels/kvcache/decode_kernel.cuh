@@ -34,10 +34,13 @@ namespace tk::kvcache {
 
 using namespace kittens;
 
+// Packed query rows per block: the M of one warpgroup's products.
+constexpr int PACKED_ROWS = 64;
+
 template <int D>
 struct decode_config {
   static constexpr int KV = keys_per_tile(D);  // keys per tile
-  static constexpr int ROWS = 64;              // packed query rows per block
+  static constexpr int ROWS = PACKED_ROWS;
   static constexpr int STAGES = 3;             // K/V tiles in flight per block
   // Q stays in registers for the whole walk, except at D = 256 where O alone takes 128
   // registers a thread: there it is read from shared memory by each product.
@@ -79,15 +82,15 @@ struct block_work {
   template <int KV>
   __device__ static block_work of(const Params& p, int block) {
     const int group = p.heads_q / p.heads_kv, packed = group * p.seq_q;
-    const int row_tiles = (packed + 63) / 64;
+    const int row_tiles = (packed + PACKED_ROWS - 1) / PACKED_ROWS;
     block_work w;
-    w.row0 = block % row_tiles * 64;
+    w.row0 = block % row_tiles * PACKED_ROWS;
     block /= row_tiles;
     w.split = block % p.num_splits;
     block /= p.num_splits;
     w.kv_h = block % p.heads_kv;
     w.b = block / p.heads_kv;
-    w.rows = min(64, packed - w.row0);
+    w.rows = min(PACKED_ROWS, packed - w.row0);
     w.seqlen = int(min(int64_t(max(p.seqlens[w.b], 0)), p.capacity));
     // Token t sits at position off + t. Keys [lo, hi) are those the first and last tokens of
     // the block's rows reach.

@@ -21,7 +21,7 @@ static int64_t blocks_per_sm(int64_t head_dim) {
 }
 
 static int64_t query_row_tiles(int64_t heads_q, int64_t heads_kv, int64_t seq_q) {
-  return (heads_q / std::max<int64_t>(heads_kv, 1) * seq_q + 63) / 64;
+  return (heads_q / std::max<int64_t>(heads_kv, 1) * seq_q + PACKED_ROWS - 1) / PACKED_ROWS;
 }
 
 int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int64_t capacity,
@@ -30,7 +30,7 @@ int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, 
   const int64_t tiles = std::max<int64_t>((capacity + kv - 1) / kv, 1);
   const int64_t most = std::min<int64_t>(MAX_SPLITS, tiles);
   if (requested > 0) return int(std::min(requested, most));
-  // Blocks without splits: one per (batch row, KV head, 64 packed query rows). When they fill
+  // Blocks without splits: one per (batch row, KV head, PACKED_ROWS query rows). When they fill
   // the card, splitting only adds work.
   const int64_t blocks = batch * heads_kv * query_row_tiles(heads_q, heads_kv, seq_q);
   if (multiprocessors < 1 || blocks < 1 || blocks >= multiprocessors) return 1;
