@@ -1,6 +1,6 @@
 // The one Python extension module, tk_jax._tk: hands XLA the FFI handler capsules, and tells
 // Python the kernels' facts it needs to call them (supported shapes, workspace sizes, the Based
-// conventions) and the device facts it plans launches with.
+// conventions, the KV-cache kernel's splits) and the device facts it plans launches with.
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 
@@ -10,6 +10,7 @@
 
 #include "kernels/attention/attention.h"
 #include "kernels/based/based.h"
+#include "kernels/kvcache/kvcache.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -19,6 +20,7 @@ extern "C" XLA_FFI_Error* tk_attention_bwd(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* tk_based_fwd(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* tk_based_bwd(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* tk_based_decode(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* tk_attention_kvcache(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 template <typename Fn>
@@ -63,6 +65,7 @@ NB_MODULE(_tk, m) {
     targets["tk_based_fwd"] = handler_capsule(tk_based_fwd);
     targets["tk_based_bwd"] = handler_capsule(tk_based_bwd);
     targets["tk_based_decode"] = handler_capsule(tk_based_decode);
+    targets["tk_attention_kvcache"] = handler_capsule(tk_attention_kvcache);
     return targets;
   });
   nb::list head_dims;
@@ -74,6 +77,19 @@ NB_MODULE(_tk, m) {
   m.def("attention_mask_workspace_bytes", &tk::attention::mask_workspace_bytes, nb::arg("batch"), nb::arg("seq_q"),
         nb::arg("seq_k"), nb::arg("segment_ids"),
         "Bytes of the mask workspace output of tk_attention_fwd and tk_attention_bwd (linear in batch).");
+  nb::list kvcache_head_dims, kvcache_page_sizes;
+  for (int d : tk::kvcache::HEAD_DIMS) kvcache_head_dims.append(d);
+  for (int s : tk::kvcache::PAGE_SIZES) kvcache_page_sizes.append(s);
+  m.attr("kvcache_head_dims") = nb::tuple(kvcache_head_dims);
+  m.attr("kvcache_page_sizes") = nb::tuple(kvcache_page_sizes);
+  m.attr("kvcache_max_splits") = tk::kvcache::MAX_SPLITS;
+  m.def("kvcache_num_splits", &tk::kvcache::num_splits, nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_kv"),
+        nb::arg("seq_q"), nb::arg("head_dim"), nb::arg("capacity"), nb::arg("multiprocessors"), nb::arg("requested"),
+        "Key splits of tk_attention_kvcache: `requested` (> 0) capped at what the cache allows, or for 0 the "
+        "kernel's own choice for this many multiprocessors.");
+  m.def("kvcache_workspace_bytes", &tk::kvcache::workspace_bytes, nb::arg("batch"), nb::arg("heads_q"),
+        nb::arg("seq_q"), nb::arg("head_dim"), nb::arg("num_splits"),
+        "Bytes of the workspace output of tk_attention_kvcache (linear in batch; 0 for one split).");
   m.def("based_conventions", &based_conventions);
   m.def("multiprocessor_count", &multiprocessor_count, nb::arg("device_ordinal"));
   m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);

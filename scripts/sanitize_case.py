@@ -1,9 +1,12 @@
 """A small case of every kernel (attention forward and backward, with and without a gradient of
-lse, Based forward and backward), for running under compute-sanitizer:
-`compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py [attention|based]`
+lse, Based forward and backward, attention against a KV cache), for running under
+compute-sanitizer:
+`compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py [attention|based|kvcache]`
 (both when no argument is given). Odd lengths and GQA so that tails and masks are exercised.
 Tq > Tk: with bottom-right causal alignment the first rows see no key at all, and the backward
-walks several query tiles per key block, so work carried from one step to the next is covered."""
+walks several query tiles per key block, so work carried from one step to the next is covered.
+The KV-cache case: contiguous and paged caches (pages smaller and larger than a key tile, garbage
+table entries past each row's pages), lengths 0, partial and full, one split and several."""
 import math
 import sys
 
@@ -16,7 +19,7 @@ from tk_jax import _ext, _kernels
 ok, why = _ext.kernels_available()
 assert ok, why
 rng = np.random.default_rng(0)
-which = sys.argv[1:] or ["attention", "based"]
+which = sys.argv[1:] or ["attention", "based", "kvcache"]
 for d in (64, 128, 256) if "attention" in which else ():
     q = jnp.asarray(rng.standard_normal((1, 333, 4, d)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((1, 130, 2, d)), jnp.bfloat16)
@@ -62,4 +65,22 @@ for dv in (64, 128) if "based" in which else ():  # Based: two chunks, the secon
     grads = _kernels.based_bwd(q, k, v, y, den, jnp.ones_like(y), s0, z0, jnp.ones_like(s), jnp.ones_like(z),
                                normalize=True, eps=1e-6)
     jax.block_until_ready((y, s, z, den, grads))
+for d in (64, 128, 256) if "kvcache" in which else ():
+    b, s, hq, hkv, tq = 3, 300, 8, 2, 4
+    q = jnp.asarray(rng.standard_normal((b, tq, hq, d)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16) for _ in range(2))
+    seqlens = jnp.asarray([0, 173, s], jnp.int32)
+    kw = dict(scale=1 / math.sqrt(d), window_left=-1, window_right=0)
+    for n in (1, 3):
+        jax.block_until_ready(_kernels.attention_kvcache(q, k, v, seqlens, num_splits=n, **kw))
+    for page_size in (16, 128):
+        max_pages = -(-s // page_size)
+        pages = b * max_pages + 1
+        table = rng.permutation(pages)[: b * max_pages].reshape(b, max_pages).astype(np.int32)
+        table[1, -(-173 // page_size):] = -1  # never read: past row 1's last page
+        k_pages, v_pages = (jnp.asarray(rng.standard_normal((pages, page_size, hkv, d)), jnp.bfloat16) for _ in range(2))
+        for n in (1, 3):
+            jax.block_until_ready(_kernels.attention_kvcache(q, k_pages, v_pages, seqlens, jnp.asarray(table),
+                                                             num_splits=n, window_left=40, window_right=0,
+                                                             scale=kw["scale"]))
 print("sanitize case done")

@@ -240,3 +240,80 @@ def based_decode(q_t, k_t, v_t, s, z, *, normalize: bool, eps: float):
                             input_output_aliases={3: 1, 4: 2})
     return call(q_t, k_t, v_t, s.astype(jnp.float32), z.astype(jnp.float32),
                 normalize=np.int64(1 if normalize else 0), eps=np.float32(eps))
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention against a KV cache: decode, speculative verification, chunked prefill
+# (cpp/kernels/kvcache/kvcache.h states the semantics; cpp/ffi/kvcache.cc the buffers).
+
+def kvcache_kernel_unsupported(q, k_cache, page_table) -> str | None:
+    """None when the KV-cache kernel handles queries q [..., B, Tq, Hq, D] against this cache
+    (contiguous [..., B, S, Hkv, D], or paged [..., P, page_size, Hkv, D] when a page_table
+    [..., B, max_pages] is given), else why not. Shapes are assumed consistent (the caller
+    validates them)."""
+    if q.dtype not in [jnp.dtype(d) for d in KERNEL_DTYPES]:
+        return f"the KV-cache kernel takes bf16 or fp16 inputs, got {q.dtype}"
+    if k_cache.dtype != q.dtype:
+        return f"the KV-cache kernel needs the cache in q's dtype {q.dtype}, got {k_cache.dtype}"
+    if _tk is None:
+        return f"the kernel extension tk_jax._tk cannot be imported: {_TK_IMPORT_ERROR}"
+    if not hasattr(_tk, "kvcache_head_dims"):
+        return "the kernel extension was built without the KV-cache kernel: rebuild tk_jax"
+    head_dims = tuple(_tk.kvcache_head_dims)
+    if q.shape[-1] not in head_dims:
+        return f"the KV-cache kernel supports head_dim in {head_dims}, got {q.shape[-1]}"
+    heads_q, heads_kv = q.shape[-2], k_cache.shape[-2]
+    if heads_kv < 1 or heads_q % heads_kv:
+        return f"the KV-cache kernel needs heads_q a multiple of heads_kv, got {heads_q} and {heads_kv}"
+    if page_table is not None:
+        page_sizes = tuple(_tk.kvcache_page_sizes)
+        if k_cache.shape[-3] not in page_sizes:
+            return (f"the KV-cache kernel supports page sizes (k_cache.shape[-3] of a paged "
+                    f"cache) in {page_sizes}, got {k_cache.shape[-3]}")
+    return None
+
+
+def kvcache_num_splits(q, k_cache, page_table=None, num_splits: int = 0) -> int:
+    """The key splits attention_kvcache uses for these shapes: num_splits (> 0) capped at what
+    the cache allows (at most one a key tile, at most _tk.kvcache_max_splits), or for 0 the
+    kernel's own choice for this GPU's multiprocessor count (cpp/kernels/kvcache/kvcache.cu)."""
+    *lead, batch, seq_q, heads_q, head_dim = q.shape
+    capacity = (page_table.shape[-1] * k_cache.shape[-3] if page_table is not None
+                else k_cache.shape[-3])
+    return int(_tk.kvcache_num_splits(math.prod(lead) * batch, heads_q, k_cache.shape[-2], seq_q,
+                                      head_dim, capacity, multiprocessor_count(), int(num_splits)))
+
+
+def attention_kvcache(q, k_cache, v_cache, seqlens, page_table=None, *, scale: float,
+                      window_left: int, window_right: int, num_splits: int = 0):
+    """(o, lse) of queries q [B, Tq, Hq, D] against a KV cache, from the KV-cache kernel.
+
+    k_cache, v_cache: contiguous [B, S, Hkv, D], or paged [num_pages, page_size, Hkv, D] with
+    page_table [B, max_pages] int32 (logical key j of row b in page page_table[b, j // page_size]
+    at offset j % page_size). seqlens [B] int32: valid keys of each row. Query t of row b sits at
+    position seqlens[b] - Tq + t and sees key j iff j < seqlens[b] and the window allows it
+    (window_left / window_right as in attention_fwd, -1 unbounded; causal is window_right 0).
+    Returns o like q and lse [B, Hq, Tq] float32 (natural log); rows that see no key get o = 0,
+    lse = -inf. seqlens outside [0, capacity] and page ids outside [0, num_pages) are clamped
+    into range; table entries past a row's last page are never read.
+    num_splits: key splits (0 chooses; see kvcache_num_splits). The split partial results live in
+    a workspace, one more output of the call, dropped here. Under vmap, extra leading axes fold
+    into the batch in C++ (a paged cache then holds one page pool per leading index).
+    """
+    *lead, batch, seq_q, heads_q, head_dim = q.shape
+    splits = kvcache_num_splits(q, k_cache, page_table, num_splits)
+    workspace_bytes = _tk.kvcache_workspace_bytes(math.prod(lead) * batch, heads_q, seq_q, head_dim, splits)
+    paged = page_table is not None
+    if not paged:  # the handler keeps one list of buffers; a contiguous call's table is not read
+        page_table = jnp.zeros((*lead, batch, 0), jnp.int32)
+    out_types = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((*lead, batch, heads_q, seq_q), jnp.float32),
+        jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8),
+    )
+    call = jax.ffi.ffi_call("tk_attention_kvcache", out_types, vmap_method="broadcast_all")
+    o, lse, _ = call(q, k_cache, v_cache, jnp.asarray(seqlens, jnp.int32), jnp.asarray(page_table, jnp.int32),
+                     scale=np.float32(scale), window_left=np.int64(window_left),
+                     window_right=np.int64(window_right), num_splits=np.int64(splits),
+                     paged=np.int64(1 if paged else 0))
+    return o, lse

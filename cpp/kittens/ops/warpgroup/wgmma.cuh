@@ -134,6 +134,20 @@ __device__ __forceinline__ void fence_shared_to_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// acc (+)= A B^T:  A is 64 x K in registers (this warp's 16 rows), B is N x K (shared,
+// K-major), e.g. scores Q K^T with Q held in registers for a whole walk over key tiles.
+template <typename T, int K, int N>
+__device__ __forceinline__ void mma_ABt(rt_fl<16, N>& acc, const rt<T, 16, K>& a, const st<T, N, K>& b,
+                                        bool accumulate) {
+  float* d = reinterpret_cast<float*>(&acc.tiles[0][0]);
+  fence();
+#pragma unroll
+  for (int k = 0; k < K / 16; k++)
+    detail::rs<T, N, 0>(d, reinterpret_cast<const uint32_t*>(a.tiles[0][k].data), detail::k_major(b, k),
+                        (k > 0 || accumulate) ? 1 : 0);
+  commit_group();
+}
+
 // acc (+)= A B:  A is 64 x K in registers (this warp's 16 rows), B is K x N (shared, MN-major).
 template <typename T, int K, int N>
 __device__ __forceinline__ void mma_AB(rt_fl<16, N>& acc, const rt<T, 16, K>& a, const st<T, K, N>& b,

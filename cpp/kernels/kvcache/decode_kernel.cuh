@@ -1,0 +1,429 @@
+// Attention of a few query tokens against a KV cache, bound by reading the cache: every K/V
+// byte is read once, at the speed of the card's memory.
+//
+// Query heads that share a KV head, and the query tokens, are packed into the rows of one tile:
+// packed row r = t group + g is token t of query head kv_head group + g (group = heads_q /
+// heads_kv), so one pass over a KV head's keys serves all of them. A block owns 64 packed rows of
+// one (batch row, KV head) and one split of its keys (several splits when batch x heads_kv
+// cannot fill the card; the combine pass merges them). It has two roles:
+//   - a producer warp streams key tiles of K and V into rings of shared-memory stages with TMA:
+//     one box a tile from a contiguous cache (or a paged one with pages of at least a tile),
+//     one box a page and 64-column panel where pages are smaller than a tile, the page ids read
+//     from the page table 32 at a time across the warp;
+//   - one consumer warpgroup (64 rows, Q in registers, or in shared memory at D = 256) runs the
+//     online softmax over the tiles, as the attention forward does:
+//       S = Q K^T;  m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
+//       O = 2^(c m - c m') O + P V
+//     with c = scale log2(e); the next tile's scores are issued before this tile's P V.
+// Out: O / l and lse = ln 2 (c m + log2 l), straight into o and lse with one split, else as the
+// split's partial result into the workspace (split_workspace.cuh).
+// Two blocks share an SM (one at D = 256), so one block's start and end overlap the other's
+// streaming.
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <type_traits>
+
+#include "../../kittens/kittens.cuh"
+#include "../attention/softmax_band.cuh"  // online_softmax_step
+#include "kvcache.h"
+#include "split_workspace.cuh"
+
+namespace tk::kvcache {
+
+using namespace kittens;
+
+// Packed query rows per block: the M of one warpgroup's products.
+constexpr int PACKED_ROWS = 64;
+
+template <int D>
+struct decode_config {
+  static constexpr int KV = keys_per_tile(D);  // keys per tile
+  static constexpr int ROWS = PACKED_ROWS;
+  static constexpr int STAGES = 3;             // K/V tiles in flight per block
+  // Q stays in registers for the whole walk, except at D = 256 where O alone takes 128
+  // registers a thread: there it is read from shared memory by each product.
+  static constexpr bool Q_IN_SHARED = D == 256;
+  static constexpr int CONSUMER_THREADS = 128;  // warps 0-3: the consumer warpgroup
+  static constexpr int THREADS = CONSUMER_THREADS + 32;  // warp 4: the producer
+  // A stage is 32 KB at D <= 128, so two blocks of three stages fit an SM; 64 KB at D = 256.
+  static constexpr int BLOCKS_PER_SM = D == 256 ? 1 : 2;
+  // Registers a thread may use so that BLOCKS_PER_SM blocks fit the SM's 64K (a multiple of 8).
+  static constexpr int MAX_REGISTERS = std::min(255, 65536 / (BLOCKS_PER_SM * THREADS) / 8 * 8);
+};
+
+struct no_tile {};
+
+template <typename T, int D>
+struct decode_shared {
+  using config = decode_config<D>;
+  st<T, config::KV, D> k[config::STAGES], v[config::STAGES];
+  std::conditional_t<config::Q_IN_SHARED, st<T, config::ROWS, D>, no_tile> q;
+  ring<config::STAGES> k_ring, v_ring;
+};
+
+struct DecodeArgs {
+  CUtensorMap k, v;  // boxes: a key tile of all columns, or (pages smaller than a tile) a page of one panel
+  Params p;
+};
+
+// A window bound as wide as any cache: keeps the arithmetic on key positions inside int.
+constexpr int UNBOUNDED = 1 << 30;
+
+// What one block does: packed rows [row0, row0 + rows) of (batch row b, KV head kv_h), and key
+// tiles [first_tile, end_tile), its split's share of the tiles any of its rows can see.
+struct block_work {
+  int b, kv_h, split, row0, rows, seqlen, first_tile, end_tile;
+  // A tile whose first key k0 is below mask_below or above mask_above holds keys that some of
+  // the block's rows must not see: it gets element masks.
+  int mask_below, mask_above;
+
+  template <int KV>
+  __device__ static block_work of(const Params& p, int block) {
+    const int group = p.heads_q / p.heads_kv, packed = group * p.seq_q;
+    const int row_tiles = (packed + PACKED_ROWS - 1) / PACKED_ROWS;
+    block_work w;
+    w.row0 = block % row_tiles * PACKED_ROWS;
+    block /= row_tiles;
+    w.split = block % p.num_splits;
+    block /= p.num_splits;
+    w.kv_h = block % p.heads_kv;
+    w.b = block / p.heads_kv;
+    w.rows = min(PACKED_ROWS, packed - w.row0);
+    w.seqlen = int(min(int64_t(max(p.seqlens[w.b], 0)), p.capacity));
+    // Token t sits at position off + t. Keys [lo, hi) are those the first and last tokens of
+    // the block's rows reach.
+    const int off = w.seqlen - p.seq_q, t_first = w.row0 / group, t_last = (w.row0 + w.rows - 1) / group;
+    const int lo = p.window_left >= 0 ? max(0, off + t_first - p.window_left) : 0;
+    const int hi = p.window_right >= 0 ? min(w.seqlen, off + t_last + p.window_right + 1) : w.seqlen;
+    const int first = lo / KV, end = hi > lo ? (hi + KV - 1) / KV : first;
+    const int per_split = (end - first + p.num_splits - 1) / p.num_splits;
+    w.first_tile = min(end, first + w.split * per_split);
+    w.end_tile = min(end, w.first_tile + per_split);
+    // Every row sees keys [off + t_last - window_left, min(seqlen - 1, off + t_first + window_right)].
+    w.mask_below = p.window_left >= 0 ? off + t_last - p.window_left : -UNBOUNDED;
+    w.mask_above = min(w.seqlen - 1, p.window_right >= 0 ? off + t_first + p.window_right : UNBOUNDED) - (KV - 1);
+    return w;
+  }
+  __device__ int tiles() const { return end_tile - first_tile; }
+  __device__ bool masked(int k0) const { return k0 < mask_below || k0 > mask_above; }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Producer
+
+// The page-table entries of one batch row, read 32 at a time across the producer warp (lane l
+// holds entry base + l, and the next 32 are already on their way), turned into page indices
+// of the cache: clamped into the row's pool. Entries from `readable` on are never read.
+struct page_window {
+  const int32_t* entries;
+  int readable, pool_first_page, pool_pages;
+  int base, current, next;
+
+  __device__ static page_window of(const Params& p, const block_work& w, int first_page) {
+    page_window pw;
+    pw.entries = p.page_table + int64_t(w.b) * p.max_pages;
+    pw.readable = min(p.max_pages, (w.seqlen + p.page_size - 1) / p.page_size);
+    pw.pool_first_page = w.b / p.rows_per_pool * p.pages_per_pool;
+    pw.pool_pages = p.pages_per_pool;
+    pw.base = first_page & ~31;
+    pw.current = pw.read(pw.base);
+    pw.next = pw.read(pw.base + 32);
+    return pw;
+  }
+  __device__ int read(int at) const {
+    const int e = at + laneid();
+    return e < readable ? entries[e] : 0;
+  }
+  // Moves on so that logical pages [first, first + 8) are in reach (pages only grow).
+  __device__ void advance_to(int first) {
+    while (first >= base + 32) {
+      base += 32;
+      current = next;
+      next = read(base + 32);
+    }
+  }
+  // The cache page of this lane's logical page `page` (in [base, base + 64); the whole warp calls).
+  __device__ int page_of(int page) const {
+    const int i = page - base;
+    const int from_current = __shfl_sync(0xffffffffu, current, i & 31);
+    const int from_next = __shfl_sync(0xffffffffu, next, i & 31);
+    const int id = i < 32 ? from_current : from_next;
+    return pool_first_page + min(max(id, 0), pool_pages - 1);
+  }
+};
+
+// The producer warp: K and V of tiles first_tile, first_tile + 1, ... as uses 0, 1, ... of
+// their rings.
+template <typename T, int D>
+__device__ __forceinline__ void load_tiles(decode_shared<T, D>& s, const DecodeArgs& args, const block_work& w) {
+  constexpr int KV = decode_config<D>::KV;
+  const Params& p = args.p;
+  const int lane = laneid();
+  if (!p.paged) {
+    if (lane == 0)
+      for (int i = 0; i < w.tiles(); i++) {
+        const int k0 = (w.first_tile + i) * KV, stage = s.k_ring.slot(i);
+        tma::load_async(&s.k[stage], args.k, s.k_ring.fill(i, sizeof(s.k[0])), 0, k0, 0, w.kv_h, w.b);
+        tma::load_async(&s.v[stage], args.v, s.v_ring.fill(i, sizeof(s.v[0])), 0, k0, 0, w.kv_h, w.b);
+      }
+    return;
+  }
+  if (w.tiles() == 0) return;
+  page_window pages = page_window::of(p, w, w.first_tile * KV / p.page_size);
+  if (p.page_size >= KV) {  // a tile lies inside one page: one box
+    for (int i = 0; i < w.tiles(); i++) {
+      const int k0 = (w.first_tile + i) * KV, stage = s.k_ring.slot(i);
+      pages.advance_to(k0 / p.page_size);
+      const int page = pages.page_of(k0 / p.page_size), row = k0 % p.page_size;
+      if (lane == 0) {
+        tma::load_async(&s.k[stage], args.k, s.k_ring.fill(i, sizeof(s.k[0])), 0, row, 0, w.kv_h, page);
+        tma::load_async(&s.v[stage], args.v, s.v_ring.fill(i, sizeof(s.v[0])), 0, row, 0, w.kv_h, page);
+      }
+    }
+    return;
+  }
+  // Pages smaller than a tile: lane j loads page j of the tile, panel by panel, into rows
+  // [j page_size, (j + 1) page_size) of the stage. Pages holding no key below seqlen are not
+  // loaded (their table entries may be anything); the consumers zero those rows of V.
+  const int pages_per_tile = KV / p.page_size;
+  const uint32_t page_bytes = uint32_t(p.page_size) * D * sizeof(T);
+  for (int i = 0; i < w.tiles(); i++) {
+    const int k0 = (w.first_tile + i) * KV, stage = s.k_ring.slot(i), first_page = k0 / p.page_size;
+    const int loaded = min(pages_per_tile, (w.seqlen - k0 + p.page_size - 1) / p.page_size);
+    pages.advance_to(first_page);
+    const int page = pages.page_of(first_page + min(lane, pages_per_tile - 1));
+    for (int kv = 0; kv < 2; kv++) {
+      auto& ring = kv == 0 ? s.k_ring : s.v_ring;
+      auto& tile = kv == 0 ? s.k[stage] : s.v[stage];
+      if (lane == 0) ring.fill(i, loaded * page_bytes);  // waits until the stage is free
+      __syncwarp();
+      if (lane < loaded) {
+#pragma unroll
+        for (int panel = 0; panel < D / 64; panel++)
+          tma::load_async(tile.data + (panel * KV + lane * p.page_size) * 64, kv == 0 ? args.k : args.v,
+                          ring.full[stage], 0, 0, panel, w.kv_h, page);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consumers
+
+// The two packed rows of a lane (rows g and g + 8 of its warp's 16; g = lane / 4): the token
+// and query head each stands for, and whether it is one of the block's rows.
+struct lane_rows {
+  bool valid[2];
+  int token[2], head[2];
+
+  __device__ static lane_rows of(const Params& p, const block_work& w) {
+    const int group = p.heads_q / p.heads_kv;
+    lane_rows r;
+#pragma unroll
+    for (int down = 0; down < 2; down++) {
+      const int local = 16 * warpid() + fragment_row(down), packed = w.row0 + local;
+      r.valid[down] = local < w.rows;
+      r.token[down] = packed / group;
+      r.head[down] = w.kv_h * group + packed % group;
+    }
+    return r;
+  }
+};
+
+// Q of the lane's rows, straight from global memory into mma fragment order (rows of other
+// blocks or past the end: zeros).
+template <typename T, int D>
+__device__ __forceinline__ void load_q(rt<T, 16, D>& q, const Params& p, const block_work& w, const lane_rows& rows) {
+  const T* row_ptr[2];
+#pragma unroll
+  for (int down = 0; down < 2; down++)
+    row_ptr[down] = static_cast<const T*>(p.q) +
+                    ((int64_t(w.b) * p.seq_q + rows.token[down]) * p.heads_q + rows.head[down]) * D;
+  const packed_t<T> zero = pack<T>(0.f, 0.f);
+#pragma unroll
+  for (int j = 0; j < D / 16; j++)
+#pragma unroll
+    for (int reg = 0; reg < 4; reg++) {
+      const int down = reg & 1, col = 16 * j + fragment_col(reg, 0);
+      q.tiles[0][j].data[reg] =
+          rows.valid[down] ? *reinterpret_cast<const packed_t<T>*>(row_ptr[down] + col) : zero;
+    }
+}
+
+// Scores of keys the lane's rows must not see become -inf: row `down` keeps keys
+// [key_lo[down], key_hi[down]]; the tile's first key is k0.
+template <int KV>
+__device__ __forceinline__ void mask_keys(rt_fl<16, KV>& scores, const int (&key_lo)[2], const int (&key_hi)[2],
+                                          int k0) {
+  const int col = fragment_col(0, 0);
+#pragma unroll
+  for (int down = 0; down < 2; down++) {
+    const int lo = key_lo[down] - k0 - col, hi = key_hi[down] - k0 - col;  // bounds on the column offset d
+#pragma unroll
+    for (int j = 0; j < KV / 16; j++)
+#pragma unroll
+      for (int right = 0; right < 2; right++) {
+        float2& x = scores.tiles[0][j].data[2 * right + down];
+        const int d = 16 * j + 8 * right;
+        x.x = d >= lo && d <= hi ? x.x : NEG_INF;
+        x.y = d + 1 >= lo && d + 1 <= hi ? x.y : NEG_INF;
+      }
+  }
+}
+
+// Rows [valid_rows, KV) of a V stage become zeros (the consumer warpgroup's threads share the
+// work), visible to the tensor cores' next read. Those keys get probability 0, but whatever
+// the cache holds there (NaN included, or an older tile where pages were not loaded) would
+// still reach O through 0 x V. Whole 128-byte rows of each panel: the swizzle only permutes
+// chunks inside a row.
+template <typename T, int D, int KV>
+__device__ __forceinline__ void zero_rows_from(st<T, KV, D>& tile, int valid_rows) {
+  constexpr int CHUNKS = 8;  // 16-byte chunks per 128-byte panel row
+  const int rows = KV - valid_rows, n = rows * (D / 64) * CHUNKS;
+  char* base = reinterpret_cast<char*>(tile.data);
+  for (int i = threadIdx.x; i < n; i += decode_config<D>::CONSUMER_THREADS) {
+    const int chunk = i % CHUNKS, rest = i / CHUNKS, row = valid_rows + rest % rows, panel = rest / rows;
+    *reinterpret_cast<uint4*>(base + (panel * KV + row) * 128 + chunk * 16) = make_uint4(0, 0, 0, 0);
+  }
+  warpgroup::fence_shared_to_async();
+  named_barrier_sync(1, decode_config<D>::CONSUMER_THREADS);
+}
+
+// O / l and lse of the lane's rows: into o and lse with one split, else the split's partial
+// result into the workspace. Rows that saw no key: O = 0, lse = -inf.
+template <typename T, int D>
+__device__ __forceinline__ void store_rows(rt_fl<16, D>& o, const row_vec<16>& m, row_vec<16> l, float c,
+                                           const Params& p, const block_work& w, const lane_rows& rows) {
+  reduce_across_lanes(l, sum_op{});
+  const bool split = p.num_splits > 1;
+  const split_workspace ws =
+      split ? split_workspace::of(p.workspace, split_workspace::rows(p.batch, p.heads_q, p.seq_q), p.num_splits, D)
+            : split_workspace{};
+#pragma unroll
+  for (int down = 0; down < 2; down++) {
+    if (!rows.valid[down]) continue;
+    const float lv = l.data[0][down], inv_l = lv > 0.f ? 1.f / lv : 0.f;
+    const float lse = lv > 0.f ? (c * m.data[0][down] + __log2f(lv)) * LN2 : NEG_INF;
+    const int64_t row = (int64_t(w.b) * p.heads_q + rows.head[down]) * p.seq_q + rows.token[down];
+    T* out = static_cast<T*>(p.o) + ((int64_t(w.b) * p.seq_q + rows.token[down]) * p.heads_q + rows.head[down]) * D;
+    float* partial = split ? ws.o_of(row, w.split) : nullptr;
+#pragma unroll
+    for (int j = 0; j < D / 16; j++)
+#pragma unroll
+      for (int right = 0; right < 2; right++) {
+        const float2 x = o.tiles[0][j].data[2 * right + down];
+        const int col = 16 * j + 8 * right + fragment_col(0, 0);
+        if (split)
+          *reinterpret_cast<float2*>(partial + col) = make_float2(x.x * inv_l, x.y * inv_l);
+        else
+          *reinterpret_cast<packed_t<T>*>(out + col) = pack<T>(x.x * inv_l, x.y * inv_l);
+      }
+    if ((laneid() & 3) == 0) {
+      if (split) ws.lse_of(row)[w.split] = lse;
+      else p.lse[row] = lse;
+    }
+  }
+}
+
+// The consumer warpgroup: attention of the block's rows over its key tiles.
+template <typename T, int D>
+__device__ __forceinline__ void attend(decode_shared<T, D>& s, const Params& p, const block_work& w) {
+  using config = decode_config<D>;
+  constexpr int KV = config::KV;
+  const float c = p.scale * LOG2E;
+  const int tiles = w.tiles();
+  const lane_rows rows = lane_rows::of(p, w);
+  int key_lo[2], key_hi[2];  // keys each of the lane's rows sees
+#pragma unroll
+  for (int down = 0; down < 2; down++) {
+    const int pos = w.seqlen - p.seq_q + rows.token[down];
+    key_lo[down] = p.window_left >= 0 ? pos - p.window_left : -UNBOUNDED;
+    key_hi[down] = min(w.seqlen - 1, p.window_right >= 0 ? pos + p.window_right : UNBOUNDED);
+  }
+
+  rt<T, 16, D> q;
+  load_q(q, p, w, rows);
+  if constexpr (config::Q_IN_SHARED) {
+    store(s.q, q, 16 * warpid(), 0);
+    warpgroup::fence_shared_to_async();
+    named_barrier_sync(1, config::CONSUMER_THREADS);
+  }
+
+  rt_fl<16, D> o;
+  row_vec<16> m, l, rescale;
+  zero(o);
+  map(m, [](float) { return NEG_INF; });
+  map(l, [](float) { return 0.f; });
+
+  rt_fl<16, KV> scores;
+  auto scores_of = [&](int i) {  // S_i = Q K_i^T, issued asynchronously
+    const int stage = s.k_ring.acquire(i);
+    if constexpr (config::Q_IN_SHARED) warpgroup::mma_ABt(scores, s.q, s.k[stage], false);
+    else warpgroup::mma_ABt(scores, q, s.k[stage], false);
+  };
+  auto softmax_of = [&](int i) {  // S_i has landed: release K_i, then scores -> P_i
+    s.k_ring.release(i);
+    const int k0 = (w.first_tile + i) * KV;
+    if (w.masked(k0)) mask_keys(scores, key_lo, key_hi, k0);
+    return attention::online_softmax_step(scores, m, l, rescale, c);  // whether O needs the rescale
+  };
+  auto add_pv = [&](int i, const rt<T, 16, KV>& probs) {  // O += P_i V_i, issued asynchronously
+    const int stage = s.v_ring.acquire(i);
+    const int k0 = (w.first_tile + i) * KV;
+    if (k0 + KV > w.seqlen) zero_rows_from(s.v[stage], w.seqlen - k0);  // the last tile of the keys
+    warpgroup::mma_AB(o, probs, s.v[stage], true);
+  };
+
+  if (tiles > 0) {
+    scores_of(0);
+    warpgroup::wait<0>();
+    softmax_of(0);  // O is still zero: no rescale
+  }
+  for (int i = 0; i + 1 < tiles; i++) {
+    rt<T, 16, KV> probs;  // P_i leaves the scores before S_{i+1} overwrites them
+    copy(probs, scores);
+    scores_of(i + 1);
+    add_pv(i, probs);
+    warpgroup::wait<1>();  // S_{i+1} has landed; P_i V_i may still run
+    const bool rescaled = softmax_of(i + 1);
+    warpgroup::wait<0>();
+    s.v_ring.release(i);
+    if (rescaled) mul_row(o, rescale);
+  }
+  if (tiles > 0) {
+    rt<T, 16, KV> probs;
+    copy(probs, scores);
+    add_pv(tiles - 1, probs);
+    warpgroup::wait<0>();
+    s.v_ring.release(tiles - 1);
+  }
+  store_rows<T, D>(o, m, l, c, p, w, rows);
+}
+
+// Programmatic dependent launch: this grid lets the combine pass be scheduled while it runs;
+// the combine pass waits for it to finish (and its writes to be visible) before reading.
+__device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::); }
+__device__ __forceinline__ void wait_for_prerequisite_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+// Block i: packed row tile i % row_tiles, then split, KV head and batch row (block_work::of).
+template <typename T, int D>
+__global__ void __launch_bounds__(decode_config<D>::THREADS) __maxnreg__(decode_config<D>::MAX_REGISTERS)
+    decode_kernel(const __grid_constant__ DecodeArgs args) {
+  using config = decode_config<D>;
+  allow_dependent_launch();
+  extern __shared__ char smem_raw[];
+  auto& s = aligned_shared<decode_shared<T, D>>(smem_raw);
+  const block_work w = block_work::of<config::KV>(args.p, blockIdx.x);
+  if (threadIdx.x == 0) {
+    s.k_ring.init(config::CONSUMER_THREADS / 32);  // one release per consumer warp
+    s.v_ring.init(config::CONSUMER_THREADS / 32);
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x >= config::CONSUMER_THREADS) load_tiles(s, args, w);
+  else attend(s, args.p, w);
+}
+
+}  // namespace tk::kvcache
