@@ -20,7 +20,9 @@ struct key_range {
 // offset = k_end - q_end (bottom-right alignment) or 0 (top-left).
 struct band {
   int q_end, k_end, offset, window_left, window_right;
-  int seq_q;  // the queries in memory: rows in [q_end, seq_q) are padding whose outputs are written
+  // The queries in memory: rows in [q_end, seq_q) are padding, written as O = 0, lse = -inf, so
+  // tiles holding them are masked; rows past seq_q are never written.
+  int seq_q;
 
   template <typename Params>
   __device__ static band of(const Params& p, int b) {
