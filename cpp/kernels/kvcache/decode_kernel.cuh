@@ -292,7 +292,7 @@ __device__ __forceinline__ void zero_rows_from(st<T, KV, D>& tile, int valid_row
 }
 
 // O / l and lse of the lane's rows: into o and lse with one split, else the split's partial
-// result into the workspace. Rows that saw no key: O = 0, lse = -inf.
+// result into the workspace.
 template <typename T, int D>
 __device__ __forceinline__ void store_rows(rt_fl<16, D>& o, const row_vec<16>& m, row_vec<16> l, float c,
                                            const Params& p, const block_work& w, const lane_rows& rows) {
@@ -304,8 +304,11 @@ __device__ __forceinline__ void store_rows(rt_fl<16, D>& o, const row_vec<16>& m
 #pragma unroll
   for (int down = 0; down < 2; down++) {
     if (!rows.valid[down]) continue;
-    const float lv = l.data[0][down], inv_l = lv > 0.f ? 1.f / lv : 0.f;
-    const float lse = lv > 0.f ? (c * m.data[0][down] + __log2f(lv)) * LN2 : NEG_INF;
+    // As the attention forward's store_output: a row that saw no key (l = 0) gets exactly 0
+    // (a masked key's V times P = 0 may be NaN) and -inf; a NaN the row saw reaches o and lse.
+    const float lv = l.data[0][down], inv_l = lv != 0.f ? 1.f / lv : 0.f;
+    const float lse = lv != 0.f ? (c * m.data[0][down] + __log2f(lv)) * LN2 : NEG_INF;
+    auto scaled = [=](float x) { return inv_l != 0.f ? x * inv_l : 0.f; };
     const int64_t row = (int64_t(w.b) * p.heads_q + rows.head[down]) * p.seq_q + rows.token[down];
     T* out = static_cast<T*>(p.o) + ((int64_t(w.b) * p.seq_q + rows.token[down]) * p.heads_q + rows.head[down]) * D;
     float* partial = split ? ws.o_of(row, w.split) : nullptr;
@@ -316,9 +319,9 @@ __device__ __forceinline__ void store_rows(rt_fl<16, D>& o, const row_vec<16>& m
         const float2 x = o.tiles[0][j].data[2 * right + down];
         const int col = 16 * j + 8 * right + fragment_col(0, 0);
         if (split)
-          *reinterpret_cast<float2*>(partial + col) = make_float2(x.x * inv_l, x.y * inv_l);
+          *reinterpret_cast<float2*>(partial + col) = make_float2(scaled(x.x), scaled(x.y));
         else
-          *reinterpret_cast<packed_t<T>*>(out + col) = pack<T>(x.x * inv_l, x.y * inv_l);
+          *reinterpret_cast<packed_t<T>*>(out + col) = pack<T>(scaled(x.x), scaled(x.y));
       }
     if ((laneid() & 3) == 0) {
       if (split) ws.lse_of(row)[w.split] = lse;
