@@ -104,8 +104,9 @@ def dot_product_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
 
     reason = _why_not_tk(q4, bias, mask, scale, window)
     if reason is None and implementation == "tk":
-        reason = (_backend.kernel_unavailable_reason()
-                  or _kernels.attention_kernel_unsupported(q4, k4, v4))
+        why = (_backend.kernel_unavailable_reason()
+               or _kernels.attention_kernel_unsupported(q4, k4, v4))
+        reason = None if why is None else ("kernel", why)
     if reason is not None:
         if implementation == "tk":
             raise ValueError(f"{OP}: implementation='tk' cannot run this call: {reason[1]}")
