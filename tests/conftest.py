@@ -81,14 +81,15 @@ def kernel_path(monkeypatch, install_kernels):
     from tk_jax.reference.attention import attention_backward, attention_forward
     from tk_jax.reference.based import based_decode_step_reference, based_forward
 
-    def attention_fwd(q, k, v, *, scale, window_left, window_right, **unused):
+    # The masks (segment ids, lengths, bottom_right) are the reference's keyword arguments too.
+    def attention_fwd(q, k, v, *, scale, window_left, window_right, **masks):
         return attention_forward(q, k, v, scale=scale, window_left=window_left,
-                                 window_right=window_right)
+                                 window_right=window_right, **masks)
 
     def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale, window_left, window_right,
-                      **unused):
+                      **masks):
         grads = attention_backward(q, k, v, o, lse, do, scale=scale, window_left=window_left,
-                                   window_right=window_right, dlse=dlse)
+                                   window_right=window_right, dlse=dlse, **masks)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
 
     def based_fwd(q, k, v, s0, z0, *, normalize, eps):

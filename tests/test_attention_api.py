@@ -20,9 +20,11 @@ from tk_jax.attention import flash_attention
 from tk_jax.reference.attention import attention_backward, attention_forward
 
 try:  # tests/ as a package, or tests/ on sys.path (pytest's default rootdir-less import)
-    from tests.naive import naive_attention, naive_attention_grads, relative_l2, visible_mask
+    from tests.naive import (attention_mask, naive_attention, naive_attention_grads,
+                             relative_l2, visible_mask)
 except ImportError:
-    from naive import naive_attention, naive_attention_grads, relative_l2, visible_mask
+    from naive import (attention_mask, naive_attention, naive_attention_grads, relative_l2,
+                       visible_mask)
 
 # Relative L2 error allowed against float64, by input dtype (bf16/fp16 inputs are rounded to
 # their dtype before the naive computation, so this measures the computation, not the rounding
@@ -352,3 +354,272 @@ def test_attention_kernel_unsupported_says_why_without_raising(monkeypatch):
     monkeypatch.setattr(_kernels, "_TK_IMPORT_ERROR", "not built here", raising=False)
     why = _kernels.attention_kernel_unsupported(q, q, q)
     assert isinstance(why, str) and "tk_jax._tk" in why
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed sequences (segment ids) and padding (sequence lengths), against float64 naive attention
+# that applies the same mask rule element by element (tests/naive.py).
+
+
+def random_segment_ids(rng, batch, t, labels=4):
+    """[batch, t] int32 ids: runs of random lengths (one-token runs included), labelled from a
+    small shuffled set, so ids are unsorted and one id may come back after another."""
+    ids = np.empty((batch, t), np.int32)
+    for b in range(batch):
+        runs = [1] + list(rng.integers(1, 6, size=t))  # a one-token run first, then 1..5
+        bounds = np.minimum(np.cumsum(runs), t)
+        label = rng.permutation(labels)[np.arange(len(runs)) % labels] * 7 - 3  # any ints
+        ids[b] = np.repeat(label, np.diff(np.concatenate([[0], bounds])))
+    return ids
+
+
+def mask_case(rng, name):
+    """(random_qkv shapes, flash_attention kwargs, (window_left, window_right)) of one case;
+    the masks are random per run."""
+    if name == "segments causal GQA":
+        shapes = dict(batch=(2,), tq=17, tk=17, hq=4, hkv=2)
+        return shapes, dict(causal=True, q_segment_ids=random_segment_ids(rng, 2, 17)), (-1, 0)
+    if name == "segments Tq<Tk window":  # q ids differ from kv ids: some rows see nothing
+        shapes = dict(batch=(2,), tq=9, tk=14, hq=2, hkv=2)
+        masks = dict(q_segment_ids=random_segment_ids(rng, 2, 9),
+                     kv_segment_ids=random_segment_ids(rng, 2, 14))
+        return shapes, dict(window_size=(3, 2), **masks), (3, 2)
+    if name == "lengths 0, T and out of range, causal, MQA":  # lengths are clamped to [0, T]
+        shapes = dict(batch=(3,), tq=11, tk=15, hq=3, hkv=1)
+        masks = dict(q_seq_lengths=np.array([0, 11, rng.integers(1, 11)], np.int32),
+                     kv_seq_lengths=np.array([40, 0, rng.integers(-2, 15)], np.int32))
+        return shapes, dict(causal=True, **masks), (-1, 0)
+    if name == "segments + lengths + window":
+        shapes = dict(batch=(3,), tq=13, tk=13, hq=2, hkv=1)
+        masks = dict(q_segment_ids=random_segment_ids(rng, 3, 13),
+                     q_seq_lengths=np.array([13, 6, 1], np.int32),
+                     kv_seq_lengths=np.array([9, 13, 2], np.int32))
+        return shapes, dict(window_size=(2, 0), **masks), (2, 0)
+    raise KeyError(name)
+
+
+MASK_CASES = ["segments causal GQA", "segments Tq<Tk window",
+              "lengths 0, T and out of range, causal, MQA", "segments + lengths + window"]
+
+
+def naive_masks(kwargs):
+    """The mask keyword arguments for tests/naive.py (kv ids defaulting to q's)."""
+    masks = {name: kwargs[name] for name in ("q_segment_ids", "kv_segment_ids", "q_seq_lengths",
+                                             "kv_seq_lengths") if name in kwargs}
+    if "q_segment_ids" in masks:
+        masks.setdefault("kv_segment_ids", masks["q_segment_ids"])
+    return masks
+
+
+@pytest.mark.parametrize("name", MASK_CASES)
+def test_masks_match_naive(name):
+    rng, seed = fresh_rng()
+    shapes, kwargs, window = mask_case(rng, name)
+    q, k, v = random_qkv(rng, **shapes)
+    do = random_like(rng, q)
+    scale = 1 / np.sqrt(q.shape[-1])
+    masks = naive_masks(kwargs)
+    o_ref, lse_ref = naive_attention(q, k, v, scale, *window, **masks)
+    grads_ref = naive_attention_grads(q, k, v, do, scale, *window, **masks)
+
+    fn = functools.partial(flash_attention, **kwargs)
+
+    @jax.jit  # one compilation for all of it
+    def run(q, k, v):
+        grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * do), argnums=(0, 1, 2))(q, k, v)
+        return fn(q, k, v, return_lse=True), grads
+
+    (o, lse), grads = run(q, k, v)
+    assert_close(o, o_ref, f"{name} o", seed)
+    for grad_name, grad, ref in zip("qkv", grads, grads_ref):
+        assert_close(grad, ref, f"{name} d{grad_name}", seed)
+    assert_lse_close(lse, lse_ref, f"{name} lse", seed)
+    # Rows that see no key: exactly 0, and exactly zero dq; keys no one sees: zero dk, dv.
+    visible = attention_mask(q.shape[0], q.shape[1], k.shape[1], *window, **masks)
+    empty_rows, unseen_keys = ~visible.any(axis=2), ~visible.any(axis=1)
+    assert np.all(np.asarray(o)[empty_rows] == 0), f"seed={seed}"
+    assert np.all(np.asarray(grads[0])[empty_rows] == 0), f"seed={seed}"
+    assert np.all(np.asarray(grads[1])[unseen_keys] == 0), f"seed={seed}"
+    assert np.all(np.asarray(grads[2])[unseen_keys] == 0), f"seed={seed}"
+
+
+def test_masks_cover_the_edge_cases():
+    """The random layouts above hold one-token segments, ids that are not sorted and ids that
+    come back after another; the length cases hold 0 and T (the checks above need them)."""
+    rng, _ = fresh_rng()
+    ids = random_segment_ids(rng, 50, 17)
+    runs = [np.diff(np.flatnonzero(np.diff(np.r_[np.nan, row, np.nan]))) for row in ids]
+    assert all(r[0] == 1 for r in runs)
+    assert any(np.any(np.diff(row) < 0) for row in ids)
+    assert all(len(np.unique(row)) < len(r) for row, r in zip(ids, runs))
+    _, kwargs, _ = mask_case(rng, "lengths 0, T and out of range, causal, MQA")
+    assert {0, 11} <= set(kwargs["q_seq_lengths"]) and {0, 40} <= set(kwargs["kv_seq_lengths"])
+
+
+def test_non_finite_inputs_reach_exactly_the_rows_that_see_them():
+    """A NaN in q and in k, an inf in v: the rows that see one get NaN o (and lse, for q and
+    k) and NaN dq; every other row matches float64 attention, rows emptied by the masks stay
+    0 / -inf with zero dq, forward and backward agreeing row by row."""
+    rng, seed = fresh_rng()
+    b, t, h = 2, 12, 2
+    q, k, v = random_qkv(rng, batch=(b,), tq=t, tk=t, hq=h, hkv=1, d=8)
+    do = random_like(rng, q)
+    ids = random_segment_ids(rng, b, t)
+    masks = dict(q_segment_ids=ids, kv_segment_ids=ids, q_seq_lengths=np.array([t, t - 3]))
+    rows, cols = rng.integers(0, t - 3, size=3), rng.integers(0, 8, size=3)
+    q = q.at[0, rows[0], 1, cols[0]].set(np.nan)
+    k = k.at[1, rows[1], 0, cols[1]].set(np.nan)
+    v = v.at[int(rng.integers(0, 2)), rows[2], 0, cols[2]].set(np.inf)
+    scale = 1 / np.sqrt(8)
+
+    fn = functools.partial(flash_attention, causal=True, q_segment_ids=ids,
+                           q_seq_lengths=masks["q_seq_lengths"])
+    o, lse = jax.jit(functools.partial(fn, return_lse=True))(q, k, v)
+    dq, dk, dv = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * do), argnums=(0, 1, 2)))(
+        q, k, v)
+    o_ref, lse_ref = naive_attention(q, k, v, scale, -1, 0, **masks)
+    dq_ref, _, _ = naive_attention_grads(q, k, v, do, scale, -1, 0, **masks)
+    o, lse, dq = (np.asarray(x, np.float64) for x in (o, lse, dq))
+
+    bad_rows = ~np.all(np.isfinite(o_ref), axis=-1)       # [B, Tq, H]
+    assert bad_rows.any(), f"the poison reaches no row (seed={seed})"
+    np.testing.assert_array_equal(~np.all(np.isfinite(o), axis=-1), bad_rows,
+                                  err_msg=f"rows with a non-finite o (seed={seed})")
+    np.testing.assert_array_equal(~np.all(np.isfinite(dq), axis=-1), bad_rows,
+                                  err_msg=f"rows with a non-finite dq (seed={seed})")
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(lse_ref),
+                                  err_msg=f"NaN lse (seed={seed})")
+    good = ~bad_rows
+    assert_close(o[good], o_ref[good], "o of the other rows", seed)
+    assert_close(dq[good], dq_ref[good], "dq of the other rows", seed)
+    empty = ~attention_mask(b, t, t, -1, 0, **masks).any(axis=2)  # [B, Tq]
+    assert empty.any()
+    assert np.all(o[empty] == 0) and np.all(dq[empty] == 0), f"seed={seed}"
+    assert np.all(np.isneginf(np.swapaxes(lse, 1, 2)[empty])), f"seed={seed}"
+
+
+def test_masks_with_jit_and_vmap():
+    """vmap over an axis of q, k, v, ids and lengths (and of do, for gradients); vmap with the
+    ids and lengths shared (unmapped); all under one jit."""
+    rng, seed = fresh_rng()
+    q, k, v = random_qkv(rng, batch=(3, 2), tq=8, tk=8, hq=2, hkv=1, d=8)
+    do = random_like(rng, q)
+    ids = random_segment_ids(rng, 6, 8).reshape(3, 2, 8)
+    lengths = rng.integers(0, 9, size=(3, 2)).astype(np.int32)
+    scale = 1 / np.sqrt(8)
+
+    def attend(q, k, v, ids, lengths):
+        return flash_attention(q, k, v, causal=True, q_segment_ids=ids, kv_seq_lengths=lengths)
+
+    def output_and_grads(q, k, v, ids, lengths, do):
+        loss = lambda q, k, v: jnp.sum(attend(q, k, v, ids, lengths) * do)
+        return attend(q, k, v, ids, lengths), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    @jax.jit
+    def run(q, k, v, ids, lengths, do):
+        shared = jax.vmap(attend, in_axes=(0, 0, 0, None, None))(q, k, v, ids[0], lengths[0])
+        return jax.vmap(output_and_grads)(q, k, v, ids, lengths, do), shared
+
+    (o, grads), shared = run(q, k, v, ids, lengths, do)
+    flat = [np.asarray(x).reshape((6,) + x.shape[2:]) for x in (q, k, v, do)]
+    masks = dict(q_segment_ids=ids.reshape(6, 8), kv_segment_ids=ids.reshape(6, 8),
+                 kv_seq_lengths=lengths.reshape(6))
+    assert_close(o, naive_attention(*flat[:3], scale, -1, 0, **masks)[0].reshape(q.shape),
+                 "vmap o", seed)
+    for grad_name, g, ref, x in zip("qkv", grads,
+                                    naive_attention_grads(*flat, scale, -1, 0, **masks), (q, k, v)):
+        assert_close(g, ref.reshape(x.shape), f"vmap d{grad_name}", seed)
+    masks0 = dict(q_segment_ids=ids[0], kv_segment_ids=ids[0], kv_seq_lengths=lengths[0])
+    for i in range(3):
+        ref = naive_attention(q[i], k[i], v[i], scale, -1, 0, **masks0)[0]
+        assert_close(shared[i], ref, f"vmap, shared ids, o[{i}]", seed)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(kv_segment_ids=np.zeros((2, 6), np.int32)), ValueError,
+     "kv_segment_ids was given without q_segment_ids"),
+    (dict(q_segment_ids=np.zeros((2, 5), np.int32)), ValueError,
+     r"kv_segment_ids is required.*Tq = 5, Tk = 6"),
+    (dict(q_segment_ids=np.zeros((2, 4), np.int32), kv_segment_ids=np.zeros((2, 6), np.int32)),
+     ValueError, r"q_segment_ids must have shape \(2, 5\).*got shape \(2, 4\)"),
+    (dict(q_segment_ids=np.zeros((2, 5), np.int32), kv_segment_ids=np.zeros((1, 6), np.int32)),
+     ValueError, r"kv_segment_ids must have shape \(2, 6\)"),
+    (dict(q_segment_ids=np.zeros((2, 5), np.float32), kv_segment_ids=np.zeros((2, 6))),
+     TypeError, "q_segment_ids must hold integers.*float32"),
+    (dict(q_seq_lengths=np.ones((2, 1), np.int32)), ValueError,
+     r"q_seq_lengths must have shape \(2,\).*got shape \(2, 1\)"),
+    (dict(kv_seq_lengths=np.array([True, False])), TypeError, "kv_seq_lengths must hold integers"),
+    (dict(kv_seq_lengths="3"), TypeError, "kv_seq_lengths must hold integers"),
+    (dict(q_seq_lengths=4), ValueError, r"q_seq_lengths must have shape \(2,\)"),
+])
+def test_mask_arguments_are_checked(kwargs, error, match):
+    q = jnp.zeros((2, 5, 2, 8))
+    k = jnp.zeros((2, 6, 2, 8))
+    with pytest.raises(error, match="^flash_attention: " + match):
+        flash_attention(q, k, k, **kwargs)
+
+
+def test_kernel_receives_the_masks_as_the_contract_says(install_kernels):
+    """With the kernels (pretend) available: segment ids [B, T] and lengths [B] (batch dims
+    folded, lengths clamped) reach attention_fwd and attention_bwd as int32 keyword
+    arguments, both ids or neither, bottom_right only when False; results as float64."""
+    calls = []
+
+    def record(kind, arrays, scale, window_left, window_right, masks):
+        for name, x in masks.items():
+            if name == "bottom_right":
+                assert x is False
+                continue
+            assert x.dtype == jnp.int32, (name, x.dtype)
+        assert ("q_segment_ids" in masks) == ("kv_segment_ids" in masks)
+        calls.append((kind, arrays[0].shape, tuple(sorted(masks))))
+
+    def attention_fwd(q, k, v, *, scale, window_left, window_right, **masks):
+        record("fwd", (q, k, v), scale, window_left, window_right, masks)
+        return attention_forward(q, k, v, scale=scale, window_left=window_left,
+                                 window_right=window_right, **masks)
+
+    def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale, window_left, window_right,
+                      **masks):
+        record("bwd", (q, k, v), scale, window_left, window_right, masks)
+        grads = attention_backward(q, k, v, o, lse, do, scale=scale, window_left=window_left,
+                                   window_right=window_right, dlse=dlse, **masks)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+    module = types.ModuleType("tk_jax._kernels")
+    module.attention_fwd = attention_fwd
+    module.attention_bwd = attention_bwd
+    module.attention_kernel_unsupported = lambda q, k, v: None
+    install_kernels(module)
+
+    rng, seed = fresh_rng()
+    q, k, v = random_qkv(rng, batch=(2, 2), tq=7, tk=7, hq=2, hkv=1, d=8)
+    do = random_like(rng, q)
+    ids = random_segment_ids(rng, 4, 7).reshape(2, 2, 7)
+    lengths = np.array([[7, 3], [0, 99]], np.int64)
+    # Python lists and NumPy int64 are accepted (and reach the kernel as int32).
+    fn = functools.partial(flash_attention, causal=True, q_segment_ids=ids.tolist(),
+                           q_seq_lengths=lengths)
+    o, grads = loss_and_grads(fn, q, k, v, do)
+    names = ("kv_segment_ids", "q_segment_ids", "q_seq_lengths")
+    assert ("fwd", (4, 7, 2, 8), names) in calls and ("bwd", (4, 7, 2, 8), names) in calls
+
+    masks = dict(q_segment_ids=ids.reshape(4, 7), kv_segment_ids=ids.reshape(4, 7),
+                 q_seq_lengths=lengths.reshape(4))
+    flat = [np.asarray(x).reshape((4,) + x.shape[2:]) for x in (q, k, v, do)]
+    scale = 1 / np.sqrt(8)
+    assert_close(o.reshape(flat[0].shape), naive_attention(*flat[:3], scale, -1, 0, **masks)[0],
+                 "o", seed)
+    for grad_name, grad, ref in zip("qkv", grads,
+                                    naive_attention_grads(*flat, scale, -1, 0, **masks)):
+        assert_close(grad.reshape(ref.shape), ref, f"d{grad_name}", seed)
+    # The kernels see lengths within [0, T].
+    seen = []
+
+    def forward_recording_lengths(q, k, v, **kw):
+        jax.debug.callback(lambda x: seen.append(np.asarray(x)), kw["q_seq_lengths"])
+        return attention_fwd(q, k, v, **kw)
+
+    module.attention_fwd = forward_recording_lengths
+    jax.block_until_ready(flash_attention(q, k, v, q_seq_lengths=lengths))
+    np.testing.assert_array_equal(seen[0], [7, 3, 0, 7])

@@ -1,4 +1,5 @@
-"""Flax NNX layers in tk_jax.nn: shapes, causality, finite gradients (CPU, reference backend)."""
+"""Flax NNX layers in tk_jax.nn: shapes, causality, finite gradients (CPU, reference backend);
+tk_jax.nn.attention_fn in flax.nnx.MultiHeadAttention against Flax's default attention_fn."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +7,8 @@ import pytest
 from flax import nnx
 
 from tk_jax.nn import (BasedConfig, BasedLinearAttention, BasedLM, GatedShortConv,
-                       SlidingWindowAttention, SwiGLU, based_layer_pattern, causal_depthwise_conv)
+                       SlidingWindowAttention, SwiGLU, attention_fn, based_layer_pattern,
+                       causal_depthwise_conv)
 
 B, T, D_MODEL = 2, 24, 32
 
@@ -132,3 +134,63 @@ def test_bad_layer_options_are_refused():
     with pytest.raises(ValueError, match="layer_pattern"):
         BasedLM(BasedConfig(vocab_size=10, num_layers=2, layer_pattern=("based", "mamba")),
                 rngs=nnx.Rngs(0))
+
+
+# ----------------------------------------------------------------------------------------------
+# tk_jax.nn.attention_fn in flax.nnx.MultiHeadAttention, against Flax's default attention_fn.
+
+
+def attention_pair(**options):
+    """Two MultiHeadAttention layers with the same parameters: Flax's default attention_fn
+    and tk_jax.nn.attention_fn."""
+    import inspect
+    gqa = "num_kv_heads" in inspect.signature(nnx.MultiHeadAttention).parameters
+    config = dict(num_heads=4, in_features=D_MODEL, qkv_features=32, decode=False,
+                  **({"num_kv_heads": 2} if gqa else {}), **options)
+    default = nnx.MultiHeadAttention(**config, rngs=nnx.Rngs(0))
+    ours = nnx.MultiHeadAttention(**config, attention_fn=attention_fn, rngs=nnx.Rngs(0))
+    return default, ours
+
+
+def test_attention_fn_matches_flax_default():
+    """Outputs and parameter gradients of a causal layer, with two batch dims (folded and
+    unfolded like Flax). (Without is_causal the same path runs with no mask: the fallback test
+    below covers it.)"""
+    is_causal = True
+    default, ours = attention_pair()
+    x = jax.random.normal(jax.random.key(3), (2, 2, 9, D_MODEL))
+
+    def output_and_grads(layer):
+        graphdef, params = nnx.split(layer, nnx.Param)
+
+        def loss(params):
+            y = nnx.merge(graphdef, params)(x, is_causal=is_causal)
+            return jnp.sum(y * jnp.cos(y)), y
+
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+        return y, jax.tree.leaves(grads)
+
+    y_ref, grads_ref = output_and_grads(default)
+    y, grads = output_and_grads(ours)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-4, atol=1e-5)
+    assert len(grads) == len(grads_ref)
+    for g, g_ref in zip(grads, grads_ref):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-5)
+
+
+def test_attention_fn_falls_back_for_masks_and_dropout(monkeypatch):
+    """A dense mask runs jax.nn's XLA path, dropout runs Flax's default (deterministic=True
+    would not: no dropout then); each warns once and gives Flax's result."""
+    from tk_jax import jax_nn_compat
+    monkeypatch.setattr(jax_nn_compat, "_warned", set())
+    x = jax.random.normal(jax.random.key(4), (B, 7, D_MODEL))
+    mask = nnx.make_causal_mask(jnp.ones((B, 7)))
+    default, ours = attention_pair()
+    with pytest.warns(UserWarning, match="dense mask"):
+        y = ours(x, mask=mask)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(default(x, mask=mask)), rtol=1e-5,
+                               atol=1e-6)
+    default, ours = attention_pair(dropout_rate=0.5)
+    with pytest.warns(UserWarning, match="dropout"):
+        y = ours(x, deterministic=False)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(default(x, deterministic=False)))

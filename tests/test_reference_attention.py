@@ -15,9 +15,11 @@ import pytest
 from tk_jax.reference.attention import attention_backward, attention_forward
 
 try:  # tests/ as a package, or tests/ on sys.path (pytest's default rootdir-less import)
-    from tests.naive import naive_attention, naive_attention_grads, relative_l2, visible_mask
+    from tests.naive import (attention_mask, naive_attention, naive_attention_grads,
+                             relative_l2, visible_mask)
 except ImportError:
-    from naive import naive_attention, naive_attention_grads, relative_l2, visible_mask
+    from naive import (attention_mask, naive_attention, naive_attention_grads, relative_l2,
+                       visible_mask)
 
 # Relative L2 bounds against float64 on the same (already rounded) input values.
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
@@ -275,3 +277,88 @@ def test_naive_grads_match_finite_differences():
                 shifted.append(loss(*args))
             numeric[pos] = (shifted[0] - shifted[1]) / 2e-6
         assert_close(grad, numeric, 1e-6, f"naive grad {index}", seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Segment ids, lengths and top-left alignment, with key blocks that end inside segments and
+# inside the padding (block_k smaller than, and not dividing, Tk).
+
+MASK_CASES = {
+    # name: (batch, Tq, Tk, Hq, Hkv, D, window_left, window_right, bottom_right, block_k)
+    "segments+lengths bottom-right causal": (3, 21, 26, 4, 2, 8, -1, 0, True, 6),
+    "segments+lengths top-left window": (3, 23, 17, 2, 1, 8, 4, 3, False, 5),
+}
+
+
+def random_masks(rng, b, tq, tk):
+    """Runs of 1..6 tokens with labels from {0..3}, drawn separately for queries and keys
+    (so some rows match no key), and lengths that include 0 and the full length."""
+    def ids(t):
+        runs = rng.integers(1, 7, size=t)
+        return np.repeat(rng.integers(0, 4, size=t), runs)[:t].astype(np.int32)
+
+    return dict(q_segment_ids=np.stack([ids(tq) for _ in range(b)]),
+                kv_segment_ids=np.stack([ids(tk) for _ in range(b)]),
+                q_seq_lengths=np.array([tq, 0, rng.integers(1, tq)], np.int32)[:b],
+                kv_seq_lengths=np.array([rng.integers(1, tk), tk, tk], np.int32)[:b])
+
+
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_masks_forward_and_backward_match_naive(case):
+    b, tq, tk, hq, hkv, d, wl, wr, bottom_right, block_k = MASK_CASES[case]
+    rng, seed = fresh_rng()
+    (q, k, v, do), (q64, k64, v64, do64) = random_inputs(rng, b, tq, tk, hq, hkv, d, jnp.float32)
+    masks = random_masks(rng, b, tq, tk)
+    params = dict(scale=d ** -0.5, window_left=wl, window_right=wr)
+    o, lse = attention_forward(q, k, v, block_k=block_k, bottom_right=bottom_right, **masks,
+                               **params)
+    o_ref, lse_ref = naive_attention(q64, k64, v64, **params, bottom_right=bottom_right, **masks)
+    assert_close(o, o_ref, 1e-5, f"{case} o", seed)
+    assert_lse_close(lse, lse_ref, f"{case} lse", seed)
+    grads = attention_backward(q, k, v, o, lse, do, block_k=block_k, bottom_right=bottom_right,
+                               **masks, **params)
+    expected = naive_attention_grads(q64, k64, v64, do64, **params, bottom_right=bottom_right,
+                                     **masks)
+    for name, grad, ref in zip(("dq", "dk", "dv"), grads, expected):
+        assert_close(grad, ref, 1e-5, f"{case} {name}", seed)
+    empty = ~attention_mask(b, tq, tk, wl, wr, bottom_right=bottom_right, **masks).any(axis=2)
+    assert empty[1].all()  # q_seq_lengths[1] = 0
+    assert np.all(np.asarray(o)[empty] == 0) and np.all(np.asarray(grads[0])[empty] == 0)
+
+
+def test_non_finite_values_reach_only_the_rows_that_see_them():
+    """Per row and head: NaN in o (and lse, for q and k) exactly where plain softmax has it:
+    a NaN key that only later rows see, an inf value that only one segment sees, and a query
+    whose scores are all -inf (plain softmax: 0 / 0). The backward agrees row by row."""
+    rng, seed = fresh_rng()
+    b, t, h, d = 1, 12, 2, 4
+    (q, k, v, do), _ = random_inputs(rng, b, t, t, h, 1, d, jnp.float32)
+    ids = np.array([[0, 0, 0, 0, 5, 5, 5, 2, 2, 2, 2, 2]], np.int32)
+    k = k.at[0, 9, 0, 1].set(jnp.nan)    # segment 2: rows 9.. see it (causal)
+    v = v.at[0, 5, 0, 2].set(jnp.inf)    # segment 5: rows 5, 6 see it
+    q = q.at[0, 2, 1, :].set(-jnp.inf)   # row 2, head 1: -inf scores unless k has a 0 or < 0
+    k = k.at[0, :3, 0, :].set(jnp.abs(k[0, :3, 0, :]) + 0.1)  # keys 0..2 > 0: all -inf
+    masks = dict(q_segment_ids=ids, kv_segment_ids=ids)
+    params = dict(scale=0.5, window_left=-1, window_right=0)
+    o, lse = attention_forward(q, k, v, block_k=5, **masks, **params)
+    dq, dk, dv = attention_backward(q, k, v, o, lse, do, block_k=5, **masks, **params)
+    args = [np.asarray(x, np.float64) for x in (q, k, v, do)]
+    o_ref, lse_ref = naive_attention(*args[:3], **params, **masks)
+    dq_ref, dk_ref, dv_ref = naive_attention_grads(*args, **params, **masks)
+
+    bad = ~np.isfinite(o_ref).all(axis=-1)  # [B, T, H]
+    expected_bad = np.zeros((b, t, h), bool)
+    expected_bad[0, 9:] = True
+    expected_bad[0, 5:7] = True
+    expected_bad[0, 2, 1] = True
+    np.testing.assert_array_equal(bad, expected_bad, err_msg="the oracle's NaN rows")
+    for name, x in (("o", o), ("dq", dq)):
+        np.testing.assert_array_equal(~np.isfinite(np.asarray(x)).all(axis=-1), bad,
+                                      err_msg=f"{name}: rows with a non-finite value (seed={seed})")
+    np.testing.assert_array_equal(np.isnan(np.asarray(lse)), np.isnan(lse_ref))
+    assert_close(np.asarray(o)[~bad], o_ref[~bad], 1e-5, "o of the other rows", seed)
+    assert_close(np.asarray(dq)[~bad], dq_ref[~bad], 1e-5, "dq of the other rows", seed)
+    for name, x, ref in (("dk", dk, dk_ref), ("dv", dv, dv_ref)):  # keys no bad row sees
+        np.testing.assert_array_equal(np.isfinite(np.asarray(x)), np.isfinite(ref), err_msg=name)
+        finite = np.isfinite(ref)
+        assert_close(np.asarray(x)[finite], ref[finite], 1e-5, name, seed)

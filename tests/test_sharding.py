@@ -343,3 +343,72 @@ def test_based_decode_step_sharded_jit_has_no_collectives(kernel_path, rng):
     assert not collectives(compiled.as_text())
     for actual, expected in zip(compiled(*args), jax.jit(step_and_grad)(q, k, v, s0, z0)):
         assert_close(actual, expected, "decode", tol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Segment ids and lengths: they split with the batch, so batch/head sharding stays free.
+# (The kernel route only: the reference is plain JAX, which XLA partitions by itself.)
+
+
+def random_masks(rng, batch, seq):
+    """Segment ids [batch, seq] (runs of 1..5 tokens, labels 0..2) and lengths [batch]."""
+    runs = rng.integers(1, 6, size=(batch, seq))
+    labels = rng.integers(0, 3, size=(batch, seq))
+    ids = np.stack([np.repeat(labels[b], runs[b])[:seq] for b in range(batch)]).astype(np.int32)
+    return jnp.asarray(ids), jnp.asarray(rng.integers(0, seq + 1, size=batch), jnp.int32)
+
+
+def masked_output_and_grads(backend):
+    """fn(q, k, v, ids, lengths, do) -> (o, (dq, dk, dv)): causal, packed, padded keys."""
+    def run(q, k, v, ids, lengths, do):
+        attend = functools.partial(tk_jax.flash_attention, causal=True, q_segment_ids=ids,
+                                   kv_seq_lengths=lengths, backend=backend)
+        return output_and_grads(attend)(q, k, v, do)
+    return run
+
+
+def test_sharded_jit_with_segment_ids_and_lengths_has_no_collectives(kernel_path, rng):
+    backend = kernel_path
+    mesh = mesh_of((2, 4), ("data", "model"))
+    q, k, v, do = random_arrays(rng, (4, 11, 8, 16), (4, 11, 4, 16), (4, 11, 4, 16),
+                                (4, 11, 8, 16))
+    ids, lengths = random_masks(rng, 4, 11)
+    expected = jax.jit(masked_output_and_grads("reference"))(q, k, v, ids, lengths, do)
+
+    heads, batch = NamedSharding(mesh, P("data", None, "model")), NamedSharding(mesh, P("data"))
+    args = [jax.device_put(x, heads) for x in (q, k, v)] + [
+        jax.device_put(ids, batch), jax.device_put(lengths, batch), jax.device_put(do, heads)]
+    compiled = jax.jit(masked_output_and_grads(backend)).lower(*args).compile()
+    assert not collectives(compiled.as_text())
+    assert_all_close(compiled(*args), expected)
+
+
+def test_segment_ids_inside_shard_map(kernel_path, rng):
+    backend = kernel_path
+    mesh = mesh_of((2, 4), ("data", "model"))
+    q, k, v, do = random_arrays(rng, (4, 9, 8, 16), (4, 9, 4, 16), (4, 9, 4, 16),
+                                (4, 9, 8, 16))
+    ids, lengths = random_masks(rng, 4, 9)
+    expected = jax.jit(masked_output_and_grads("reference"))(q, k, v, ids, lengths, do)
+
+    def attend(q, k, v, ids, lengths):
+        return tk_jax.flash_attention(q, k, v, causal=True, q_segment_ids=ids,
+                                      kv_seq_lengths=lengths, backend=backend)
+
+    spec = P("data", None, "model")
+    local = jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec, P("data"), P("data")),
+                          out_specs=spec)
+    run = jax.jit(lambda q, k, v, ids, lengths, do: output_and_grads(
+        lambda q, k, v: local(q, k, v, ids, lengths))(q, k, v, do))
+    assert_all_close(run(q, k, v, ids, lengths, do), expected)
+
+
+def test_kernel_path_with_segment_ids_under_vmap(kernel_path, rng):
+    """The vmapped axis of q, k, v, ids and lengths folds into the batch of the kernel call."""
+    q, k, v, do = random_arrays(rng, (3, 2, 7, 4, 8), (3, 2, 7, 2, 8), (3, 2, 7, 2, 8),
+                                (3, 2, 7, 4, 8))
+    ids, lengths = random_masks(rng, 6, 7)
+    ids, lengths = ids.reshape(3, 2, 7), lengths.reshape(3, 2)
+    expected = masked_output_and_grads("reference")(q, k, v, ids, lengths, do)
+    run = jax.jit(jax.vmap(masked_output_and_grads(kernel_path)))
+    assert_all_close(run(q, k, v, ids, lengths, do), expected)

@@ -99,3 +99,22 @@ def resolve_softmax_scale(softmax_scale, *, head_dim: int, op: str) -> float:
             f"{op}: softmax_scale must be None or a positive finite Python number, got "
             f"{type(softmax_scale).__name__} {softmax_scale!r}")
     return check_positive_finite(softmax_scale, "softmax_scale", op)
+
+
+def check_index_array(x, name: str, shape: tuple[int, ...], what: str, op: str) -> jax.Array:
+    """An integer array of exactly `shape` (`what` says what its axes are, for the message),
+    returned as int32. Python ints, lists and NumPy arrays are converted; booleans and floats
+    are refused (they are almost always a mask or a bug, not ids or lengths)."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        try:
+            x = np.asarray(x)
+        except (TypeError, ValueError):
+            raise TypeError(f"{op}: {name} must be an integer array of shape {shape} ({what}), "
+                            f"got {type(x).__name__}") from None
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{op}: {name} must hold integers (int32) of shape {shape} ({what}), "
+                        f"got dtype {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{op}: {name} must have shape {tuple(shape)} ({what}), got shape "
+                         f"{tuple(x.shape)}")
+    return jnp.asarray(x, jnp.int32)

@@ -41,6 +41,11 @@ ATTENTION_FWD_LAYOUT = ("b tq hq d, b tk hkv d, b tk hkv e", "b tq hq e, b hq tq
 _BWD_OPERANDS = "b tq hq d, b tk hkv d, b tk hkv e, b tq hq e, b hq tq, b tq hq e"
 ATTENTION_BWD_LAYOUT = (_BWD_OPERANDS, "b tq hq d, b tk hkv d, b tk hkv e")
 ATTENTION_BWD_WITH_DLSE_LAYOUT = (_BWD_OPERANDS + ", b hq tq", ATTENTION_BWD_LAYOUT[1])
+# The optional masks of either half, appended after its arrays in this order (the order of
+# tk_jax.attention.AttentionMasks): segment ids split with the batch and are read whole by
+# every head shard, lengths split with the batch.
+ATTENTION_MASK_LAYOUTS = {"q_segment_ids": "b tq", "kv_segment_ids": "b tk",
+                          "q_seq_lengths": "b", "kv_seq_lengths": "b"}
 # Based forward: q, k, v, initial S and z -> y, final S and z, den (f features, n = 273 state rows).
 BASED_FWD_LAYOUT = ("b t hq f, b t hq f, b t hq e, b hq n e, b hq n",
                     "b t hq e, b hq n e, b hq n, b hq t")
@@ -298,9 +303,33 @@ def on_local_shards(fn):
     return call
 
 
-def partitioned_attention_fwd(fn):
-    """`fn(q, k, v, *, scale, window_left, window_right) -> (o, lse)` with the batch/head rule."""
-    return shard_over_batch_and_heads(fn, *ATTENTION_FWD_LAYOUT)
+@functools.lru_cache(maxsize=None)
+def arrays_as_keywords(fn, names: tuple[str, ...]):
+    """`fn` called with its last len(names) arrays passed as the keyword arguments `names`
+    (the partitioning rule and shard_map see only positional arrays). One wrapper per
+    (fn, names), so that the rule built on it is built once."""
+    if not names:
+        return fn
+
+    @functools.wraps(fn)
+    def call(*arrays, **static):
+        split = len(arrays) - len(names)
+        return fn(*arrays[:split], **dict(zip(names, arrays[split:])), **static)
+    return call
+
+
+def _with_masks(layout, mask_names):
+    operands, results = layout
+    return ", ".join([operands] + [ATTENTION_MASK_LAYOUTS[n] for n in mask_names]), results
+
+
+def partitioned_attention_fwd(fn, *, mask_names: tuple[str, ...] = ()):
+    """`fn(q, k, v, *, scale, window_left, window_right[, masks by name]) -> (o, lse)` with
+    the batch/head rule; called as wrapper(q, k, v, *mask_arrays, **static), the masks named
+    by mask_names (see ATTENTION_MASK_LAYOUTS), in that order."""
+    mask_names = tuple(mask_names)
+    return shard_over_batch_and_heads(arrays_as_keywords(fn, mask_names),
+                                      *_with_masks(ATTENTION_FWD_LAYOUT, mask_names))
 
 
 def partitioned_based_fwd(fn):
@@ -319,8 +348,10 @@ def partitioned_based_bwd(fn):
     return shard_over_batch_and_heads(fn, *BASED_BWD_LAYOUT)
 
 
-def partitioned_attention_bwd(fn, *, with_dlse: bool):
-    """`fn(q, k, v, o, lse, do[, dlse], *, scale, window_left, window_right) -> (dq, dk, dv)`
-    with the batch/head rule."""
+def partitioned_attention_bwd(fn, *, with_dlse: bool, mask_names: tuple[str, ...] = ()):
+    """`fn(q, k, v, o, lse, do[, dlse], *, scale, window_left, window_right[, masks by name])
+    -> (dq, dk, dv)` with the batch/head rule; masks as in partitioned_attention_fwd."""
     layout = ATTENTION_BWD_WITH_DLSE_LAYOUT if with_dlse else ATTENTION_BWD_LAYOUT
-    return shard_over_batch_and_heads(fn, *layout)
+    mask_names = tuple(mask_names)
+    return shard_over_batch_and_heads(arrays_as_keywords(fn, mask_names),
+                                      *_with_masks(layout, mask_names))

@@ -5,14 +5,25 @@ largest temporary is a [B, Hq, Tq, block_k] score block, never a Tq x Tk matrix:
 run Tq = Tk = 16384.
 
 Shapes (rank 4 exactly; the public wrapper folds extra batch dimensions into B):
-    q [B, Tq, Hq, D], k [B, Tk, Hkv, D], v [B, Tk, Hkv, Dv], Hq % Hkv == 0.
+    q [B, Tq, Hq, D], k [B, Tk, Hkv, D], v [B, Tk, Hkv, Dv], Hq % Hkv == 0,
+    q_segment_ids [B, Tq], kv_segment_ids [B, Tk] (both or neither), q_seq_lengths and
+    kv_seq_lengths [B] (each optional), all integers.
 Grouped-query attention: query head h uses kv head h // (Hq // Hkv). Queries are viewed as
 [B, Tq, Hkv, G, D] (G = Hq // Hkv query heads per kv head) so K and V are never repeated.
 
-Masking (bottom-right aligned, as FlashAttention): with offset = Tk - Tq, query i sees key j iff
-    (window_left  < 0 or j >= i + offset - window_left) and
-    (window_right < 0 or j <= i + offset + window_right).
-A row that sees no key gets o = 0 and lse = -inf, and zero gradients.
+Masking, per batch row b (lengths default to Tq and Tk and are clamped to [0, T]):
+    query i sees key j iff  i < q_len[b] and j < kv_len[b]
+                            and q_segment_ids[b, i] == kv_segment_ids[b, j]
+                            and (window_left  < 0 or j >= i + off_b - window_left)
+                            and (window_right < 0 or j <= i + off_b + window_right)
+with off_b = kv_len[b] - q_len[b] when bottom_right (FlashAttention's alignment; Tk - Tq
+without lengths) and off_b = 0 otherwise (jax.nn.dot_product_attention's top-left alignment).
+
+Non-finite values behave as in plain softmax attention, where masked entries are left out of
+the sums: a NaN or inf in q, k or v that a row sees makes that row's o NaN (and its lse, for q
+and k), forward and backward alike; a row that sees no key gets o = 0, lse = -inf and zero
+gradients whatever the inputs hold; keys that no query sees get zero dk and dv. (Products with
+a masked-out probability of 0 would otherwise turn an unseen inf or NaN into a NaN.)
 
 All arithmetic is float32 with full-precision matmuls (on a GPU, XLA would otherwise use TF32
 for float32 matmuls, which is too coarse for an oracle).
@@ -20,23 +31,33 @@ for float32 matmuls, which is too coarse for an oracle).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 _HIGHEST = lax.Precision.HIGHEST
+_STATIC = ("scale", "window_left", "window_right", "bottom_right", "block_k")
 
 
 def _einsum(spec, a, b):
     return jnp.einsum(spec, a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _check_inputs(q, k, v, block_k, op):
+def _finite_or_zero(x):
+    """x with its non-finite entries replaced by 0, in float32: for the products whose NaN
+    would otherwise leak through a masked-out 0 into rows that never saw it."""
+    x = x.astype(jnp.float32)
+    return jnp.where(jnp.isfinite(x), x, 0.0)
+
+
+def _check_inputs(q, k, v, masks, block_k, op):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{op}: {name} must have rank 4 [B, T, H, D], got shape {x.shape}")
-    b, _, hq, d = q.shape
+    b, tq, hq, d = q.shape
+    tk = k.shape[1]
     if k.shape[0] != b or v.shape[0] != b:
         raise ValueError(f"{op}: batch sizes must match, got q {q.shape}, k {k.shape}, v {v.shape}")
     if k.shape[:3] != v.shape[:3]:
@@ -49,49 +70,92 @@ def _check_inputs(q, k, v, block_k, op):
             f"{op}: query heads ({hq}) must be a multiple of kv heads ({hkv}) for GQA")
     if not isinstance(block_k, int) or block_k < 1:
         raise ValueError(f"{op}: block_k must be a positive int, got {block_k!r}")
+    if (masks.q_segment_ids is None) != (masks.kv_segment_ids is None):
+        raise ValueError(f"{op}: q_segment_ids and kv_segment_ids must be given together")
+    expected = {"q_segment_ids": (b, tq), "kv_segment_ids": (b, tk), "q_seq_lengths": (b,),
+                "kv_seq_lengths": (b,)}
+    for name, x in masks._asdict().items():
+        if x is None:
+            continue
+        if tuple(x.shape) != expected[name] or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{op}: {name} must be integers of shape {expected[name]}, got "
+                             f"{x.dtype} {tuple(x.shape)}")
 
 
-def _visible_key_range(tq, tk, window_left, window_right):
-    """Static [lo, hi) range of keys that at least one query may see; keys outside it are
-    skipped entirely (they get zero weight and zero gradients)."""
-    offset = tk - tq
-    lo = max(0, offset - window_left) if window_left >= 0 else 0
-    hi = min(tk, tq - 1 + offset + window_right + 1) if window_right >= 0 else tk
-    return lo, max(lo, hi)
+class _Masks(NamedTuple):
+    """The data-dependent masks of one call (None where absent)."""
+    q_segment_ids: jax.Array | None
+    kv_segment_ids: jax.Array | None
+    q_seq_lengths: jax.Array | None
+    kv_seq_lengths: jax.Array | None
 
 
-def _key_blocks(x, lo, hi, block_k):
-    """Keys lo..hi-1 of x [B, Tk, H, D] as float32 blocks [nblocks, B, H, block_k, D], padded
-    with zeros to whole blocks (padding keys are masked out: their index is >= hi)."""
-    x = x[:, lo:hi].astype(jnp.float32)
+class _Plan(NamedTuple):
+    """How one call walks over the keys: the static range [lo, hi) of keys that some query
+    may see (keys outside it are skipped and get zero gradients), the block size, and the
+    per-row quantities of the mask rule, as [B or 1, 1, 1] arrays or Python ints."""
+    lo: int
+    hi: int
+    block_k: int
+    q_len: object
+    kv_len: object
+    offset: object
+
+
+def _plan(q, k, masks, window_left, window_right, bottom_right, block_k) -> _Plan:
+    tq, tk = q.shape[1], k.shape[1]
+
+    def length(x, full):  # [B] -> [B, 1, 1], clamped to [0, T]; None -> the full length
+        return full if x is None else jnp.clip(x.astype(jnp.int32), 0, full)[:, None, None]
+
+    q_len = length(masks.q_seq_lengths, tq)
+    kv_len = length(masks.kv_seq_lengths, tk)
+    offset = (kv_len - q_len) if bottom_right else 0
+    if isinstance(offset, int):  # the diagonal is known while tracing: skip keys no one sees
+        lo = max(0, offset - window_left) if window_left >= 0 else 0
+        hi = min(tk, tq - 1 + offset + window_right + 1) if window_right >= 0 else tk
+    else:
+        lo, hi = 0, tk
+    hi = max(lo, hi)
+    return _Plan(lo, hi, max(1, min(block_k, hi - lo)), q_len, kv_len, offset)
+
+
+def _key_blocks(x, plan, fill=0):
+    """Keys lo..hi-1 of x [B, Tk, ...] as blocks [nblocks, B, block_k, ...], padded with
+    `fill` to whole blocks (padding keys are masked out: their index is >= hi)."""
+    lo, hi, block_k = plan.lo, plan.hi, plan.block_k
+    x = x[:, lo:hi]
     n = hi - lo
     nblocks = -(-n // block_k)
-    x = jnp.pad(x, ((0, 0), (0, nblocks * block_k - n), (0, 0), (0, 0)))
-    b, _, h, d = x.shape
-    return jnp.transpose(x.reshape(b, nblocks, block_k, h, d), (1, 0, 3, 2, 4))
+    pad = [(0, 0), (0, nblocks * block_k - n)] + [(0, 0)] * (x.ndim - 2)
+    x = jnp.pad(x, pad, constant_values=fill)
+    x = x.reshape((x.shape[0], nblocks, block_k) + x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
 
 
-def _block_mask(block_index, *, tq, tk, lo, hi, block_k, window_left, window_right):
-    """[Tq, block_k] bool: which (query, key) pairs of key block `block_index` are visible."""
-    i = jnp.arange(tq)[:, None]
-    j = lo + block_index * block_k + jnp.arange(block_k)[None, :]
-    diagonal = i + (tk - tq)
-    visible = j < hi
+def _head_major(blocks):
+    """[nblocks, B, block_k, H, D] -> [nblocks, B, H, block_k, D] (for plain batched matmuls)."""
+    return jnp.swapaxes(blocks, 2, 3)
+
+
+def _block_mask(index, kv_segment_ids, *, plan, q_segment_ids, tq, window_left, window_right):
+    """[B or 1, Tq, block_k] bool: which (query, key) pairs of key block `index` are visible.
+    kv_segment_ids: this block's key segment ids [B, block_k], or None."""
+    i = jnp.arange(tq)[None, :, None]
+    j = plan.lo + index * plan.block_k + jnp.arange(plan.block_k)[None, None, :]
+    visible = j < plan.hi
+    diagonal = i + plan.offset
     if window_left >= 0:
         visible &= j >= diagonal - window_left
     if window_right >= 0:
         visible &= j <= diagonal + window_right
+    if not isinstance(plan.q_len, int):
+        visible &= i < plan.q_len
+    if not isinstance(plan.kv_len, int):
+        visible &= j < plan.kv_len
+    if q_segment_ids is not None:
+        visible &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     return visible
-
-
-def _plan(q, k, window_left, window_right, block_k):
-    """Key range and block size for this call (small inputs use one block of their own size)."""
-    tq, tk = q.shape[1], k.shape[1]
-    lo, hi = _visible_key_range(tq, tk, window_left, window_right)
-    block_k = max(1, min(block_k, hi - lo))
-    mask = functools.partial(_block_mask, tq=tq, tk=tk, lo=lo, hi=hi, block_k=block_k,
-                             window_left=int(window_left), window_right=int(window_right))
-    return lo, hi, block_k, mask
 
 
 def _group_queries(x, hkv):
@@ -107,30 +171,50 @@ def _ungroup_queries(x):
     return jnp.transpose(x, (0, 3, 1, 2, 4)).reshape(b, t, hkv * g, d)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window_left", "window_right", "block_k"))
+def _setup(q, k, v, masks, *, window_left, window_right, bottom_right, block_k, op):
+    masks = _Masks(*masks)
+    _check_inputs(q, k, v, masks, block_k, op)
+    plan = _plan(q, k, masks, window_left, window_right, bottom_right, block_k)
+    mask_of = functools.partial(_block_mask, plan=plan, q_segment_ids=masks.q_segment_ids,
+                                tq=q.shape[1], window_left=int(window_left),
+                                window_right=int(window_right))
+    kv_segments = (None if masks.kv_segment_ids is None
+                   else _key_blocks(masks.kv_segment_ids, plan))
+    return plan, mask_of, kv_segments
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def attention_forward(q, k, v, *, scale: float, window_left: int, window_right: int,
-                      block_k: int = 512):
+                      q_segment_ids=None, kv_segment_ids=None, q_seq_lengths=None,
+                      kv_seq_lengths=None, bottom_right: bool = True, block_k: int = 512):
     """Softmax attention. Returns o [B, Tq, Hq, Dv] in q.dtype and lse [B, Hq, Tq] float32,
     lse[b, h, i] = log(sum_j exp(scale * q_i . k_j)) over the keys query i may see."""
-    _check_inputs(q, k, v, block_k, "attention_forward")
+    masks = (q_segment_ids, kv_segment_ids, q_seq_lengths, kv_seq_lengths)
+    plan, mask_of, kv_segments = _setup(q, k, v, masks, window_left=window_left,
+                                        window_right=window_right, bottom_right=bottom_right,
+                                        block_k=block_k, op="attention_forward")
     b, tq, hq, _ = q.shape
     hkv, dv = k.shape[2], v.shape[3]
     g = hq // hkv
-    lo, hi, block_k, mask_of = _plan(q, k, window_left, window_right, block_k)
-    if hi == lo or tq == 0:  # no query sees any key
+    if plan.hi == plan.lo or tq == 0:  # no query sees any key
         return (jnp.zeros((b, tq, hq, dv), q.dtype),
                 jnp.full((b, hq, tq), -jnp.inf, jnp.float32))
 
     qg = _group_queries(q, hkv)
-    k_blocks = _key_blocks(k, lo, hi, block_k)
-    v_blocks = _key_blocks(v, lo, hi, block_k)
+    k_blocks = _head_major(_key_blocks(k.astype(jnp.float32), plan))
+    v_blocks = _head_major(_key_blocks(_finite_or_zero(v), plan))
+    # Which keys hold a non-finite value per kv head ([nblocks, B, Hkv, block_k]): a row that
+    # sees one gets a NaN output (its finite stand-in 0 above keeps it out of other rows).
+    v_bad = jnp.swapaxes(_key_blocks(~jnp.all(jnp.isfinite(v), axis=-1), plan, fill=False), 2, 3)
 
-    # Online softmax: running row max m, row sum l (relative to exp(m)) and output acc.
+    # Online softmax: running row max m, row sum l (relative to exp(m)) and output acc, plus
+    # whether each row has seen any key and any non-finite value of v.
     def step(carry, block):
-        m, l, acc = carry
-        index, k_blk, v_blk = block
+        m, l, acc, seen, spoiled = carry
+        index, k_blk, v_blk, bad_blk, segments = block
+        visible = mask_of(index, segments)  # [B or 1, Tq, block_k]
         s = scale * _einsum("bhgqd,bhkd->bhgqk", qg, k_blk)
-        s = jnp.where(mask_of(index), s, -jnp.inf)
+        s = jnp.where(visible[:, None, None], s, -jnp.inf)
         # The result does not depend on m (it cancels), so m carries no gradient; a row whose
         # keys are all masked so far keeps m = -inf and uses 0 as its reference instead.
         m_new = lax.stop_gradient(jnp.maximum(m, s.max(axis=-1)))
@@ -139,29 +223,38 @@ def attention_forward(q, k, v, *, scale: float, window_left: int, window_right: 
         rescale = jnp.exp(m - m_ref)       # m = -inf: 0 (nothing accumulated yet)
         l = l * rescale + p.sum(axis=-1)
         acc = acc * rescale[..., None] + _einsum("bhgqk,bhkd->bhgqd", p, v_blk)
-        return (m_new, l, acc), None
+        seen = seen | visible.any(axis=-1)
+        spoiled = spoiled | jnp.any(visible[:, None] & bad_blk[:, :, None, :], axis=-1)
+        return (m_new, l, acc, seen, spoiled), None
 
     # Built from qg (zeros_like) so that inside shard_map the carry has qg's device-varying
     # type, as scan requires of a carry that the loop body makes varying.
     row = jnp.zeros_like(qg[..., 0], jnp.float32)
-    init = (jnp.full_like(row, -jnp.inf), row, jnp.zeros_like(qg, jnp.float32, shape=(b, hkv, g, tq, dv)))
-    blocks = (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks)
+    init = (jnp.full_like(row, -jnp.inf), row,
+            jnp.zeros_like(qg, jnp.float32, shape=(b, hkv, g, tq, dv)),
+            jnp.zeros_like(row[:, 0, 0], bool), jnp.zeros_like(row[:, :, 0], bool))
+    blocks = (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks, v_bad, kv_segments)
     # Under jax.grad, checkpointing makes each step keep only its carry and recompute its score
     # block in the backward pass: memory O(Tq * (Tk / block_k) * D) instead of O(Tq * Tk).
-    (m, l, acc), _ = lax.scan(jax.checkpoint(step), init, blocks)
+    (m, l, acc, seen, spoiled), _ = lax.scan(jax.checkpoint(step), init, blocks)
 
-    # Rows that saw no key have l = 0: o = 0, lse = -inf. The inner where keeps log and the
-    # division finite so that no NaN reaches the gradients either.
-    seen = l > 0
+    # Rows that saw no key: o = 0, lse = -inf; the inner wheres keep log and the division
+    # finite there, so that no NaN reaches the gradients either. A row that saw keys has
+    # l >= 1 unless all its scores were -inf (an inf input): then 0 / 0, NaN, as plain softmax.
+    seen = seen[:, None, None, :]
     l_safe = jnp.where(seen, l, 1.0)
     o = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
+    o = jnp.where(spoiled[:, :, None, :, None], jnp.nan, o)
     lse = jnp.where(seen, jnp.where(seen, m, 0.0) + jnp.log(l_safe), -jnp.inf)
+    lse = jnp.where(seen & (l == 0), jnp.nan, lse)
     return _ungroup_queries(o).astype(q.dtype), lse.reshape(b, hq, tq)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window_left", "window_right", "block_k"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def attention_backward(q, k, v, o, lse, do, *, scale: float, window_left: int,
-                       window_right: int, block_k: int = 512, dlse=None):
+                       window_right: int, q_segment_ids=None, kv_segment_ids=None,
+                       q_seq_lengths=None, kv_seq_lengths=None, bottom_right: bool = True,
+                       block_k: int = 512, dlse=None):
     """Gradients (dq, dk, dv) of attention, in the dtypes of q, k, v.
 
     o [B, Tq, Hq, Dv] and lse [B, Hq, Tq] are used exactly as given: ring attention passes the
@@ -170,15 +263,19 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, window_left: int,
     for callers that return lse and differentiate through it; since d lse / d s = P it enters
     as dS = P * (dP - delta + dlse).
     """
-    _check_inputs(q, k, v, block_k, "attention_backward")
+    masks = (q_segment_ids, kv_segment_ids, q_seq_lengths, kv_seq_lengths)
+    plan, mask_of, kv_segments = _setup(q, k, v, masks, window_left=window_left,
+                                        window_right=window_right, bottom_right=bottom_right,
+                                        block_k=block_k, op="attention_backward")
     b, tq, hq, _ = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    lo, hi, block_k, mask_of = _plan(q, k, window_left, window_right, block_k)
+    lo, hi = plan.lo, plan.hi
     if hi == lo or tq == 0:
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
 
     qg = _group_queries(q, hkv)
+    q_safe = _group_queries(_finite_or_zero(q), hkv)
     dog = _group_queries(do, hkv)
     delta = jnp.sum(dog * _group_queries(o, hkv), axis=-1)  # rowsum(dO * O): [B, Hkv, G, Tq]
     if dlse is not None:
@@ -188,21 +285,27 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, window_left: int,
     lse = lse.astype(jnp.float32).reshape(b, hkv, g, tq)
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)[..., None]
 
-    k_blocks = _key_blocks(k, lo, hi, block_k)
-    v_blocks = _key_blocks(v, lo, hi, block_k)
+    # Scores use k as it is (a non-finite k_j spoils only the scores of key j, and the rows
+    # that see j); the products dS K, dS^T Q and dO V^T use finite stand-ins, since their
+    # masked-out zeros would carry a NaN into rows or keys that never saw it. A row that saw
+    # a non-finite value has a NaN lse or o (so NaN delta), hence a NaN dS, which they carry.
+    k_blocks = _head_major(_key_blocks(k.astype(jnp.float32), plan))
+    k_safe = _head_major(_key_blocks(_finite_or_zero(k), plan))
+    v_safe = _head_major(_key_blocks(_finite_or_zero(v), plan))
 
     def step(dq, block):
-        index, k_blk, v_blk = block
+        index, k_blk, k_safe_blk, v_blk, segments = block
+        visible = mask_of(index, segments)[:, None, None]
         s = scale * _einsum("bhgqd,bhkd->bhgqk", qg, k_blk)
-        p = jnp.where(mask_of(index), jnp.exp(s - lse), 0.0)
+        p = jnp.where(visible, jnp.exp(s - lse), 0.0)
         dv_blk = _einsum("bhgqk,bhgqd->bhkd", p, dog)  # sums the G query heads per kv head
         dp = _einsum("bhgqd,bhkd->bhgqk", dog, v_blk)
-        ds = p * (dp - delta[..., None])
-        dq = dq + scale * _einsum("bhgqk,bhkd->bhgqd", ds, k_blk)
-        dk_blk = scale * _einsum("bhgqk,bhgqd->bhkd", ds, qg)
+        ds = jnp.where(visible, p * (dp - delta[..., None]), 0.0)
+        dq = dq + scale * _einsum("bhgqk,bhkd->bhgqd", ds, k_safe_blk)
+        dk_blk = scale * _einsum("bhgqk,bhgqd->bhkd", ds, q_safe)
         return dq, (dk_blk, dv_blk)
 
-    blocks = (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks)
+    blocks = (jnp.arange(k_blocks.shape[0]), k_blocks, k_safe, v_safe, kv_segments)
     dq, (dk, dv) = lax.scan(step, jnp.zeros_like(qg), blocks)
 
     def unblock(x):  # [nblocks, B, Hkv, block_k, D] -> [B, Tk, Hkv, D], zero outside lo..hi
