@@ -44,7 +44,7 @@ def flash_attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.
                                  page_table: jax.Array | None = None, causal: bool = True,
                                  window_size: tuple[int, int] = (-1, -1),
                                  softmax_scale: float | None = None, return_lse: bool = False,
-                                 backend: str = "auto"):
+                                 backend: str = "auto") -> jax.Array | tuple[jax.Array, ...]:
     """Attention of a few new query tokens against a key/value cache (FlashAttention's
     flash_attn_with_kvcache, functional). Forward only (inference).
 
@@ -108,9 +108,23 @@ def flash_attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.
     if new_tokens > capacity:
         raise ValueError(f"{OP}: k_new holds {new_tokens} tokens (axis 1) but the cache holds at "
                          f"most {capacity} per row")
+    resolved = choose_backend(q, k_cache, page_table, backend)
+    o, lse, k_cache, v_cache = _append_and_attend(
+        q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, scale=scale,
+        window_left=window_left, window_right=window_right, backend=resolved)
+    out = (o, lse) if return_lse else (o,)
+    if k_new is not None:
+        out += (k_cache, v_cache)
+    return out[0] if len(out) == 1 else out
+
+
+# One jitted function, so that an eager call compiles once rather than op by op. Inside the
+# caller's jit it is inlined: donation of the caches there still makes the append in place.
+@functools.partial(jax.jit, static_argnames=("scale", "window_left", "window_right", "backend"))
+def _append_and_attend(q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, *, scale,
+                       window_left, window_right, backend):
     if page_table is not None:
         page_table = page_table.astype(jnp.int32)
-
     q, k_cache, v_cache = (_forward_only(x) for x in (q, k_cache, v_cache))
     if k_new is None:
         seqlens = cache_seqlens
@@ -118,14 +132,10 @@ def flash_attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.
         k_new, v_new = _forward_only(k_new), _forward_only(v_new)
         k_cache, v_cache, seqlens = append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens,
                                                     page_table)
-    resolved = choose_backend(q, k_cache, page_table, backend)
     o, lse = kvcache_attention(q, k_cache, v_cache, seqlens, page_table, scale=scale,
                                window_left=window_left, window_right=window_right,
-                               backend=resolved)
-    out = (o, lse) if return_lse else (o,)
-    if k_new is not None:
-        out += (k_cache, v_cache)
-    return out[0] if len(out) == 1 else out
+                               backend=backend)
+    return o, lse, k_cache, v_cache
 
 
 def choose_backend(q, k_cache, page_table, backend: str) -> str:

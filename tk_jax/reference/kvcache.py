@@ -94,6 +94,17 @@ def _gather_keys(k_cache, v_cache, page_table, start, block_k):
     return as_heads(k), as_heads(v), positions
 
 
+def _varying_like(x, *arrays):
+    """x typed as varying over every shard_map axis along which any of `arrays` varies: a loop
+    carry must start with the type the loop body gives it. Outside shard_map: x itself."""
+    axes = set()
+    for a in arrays:
+        if a is not None:
+            axes |= set(jax.typeof(a).manual_axis_type.varying)
+    missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying), key=str))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "window_left", "window_right", "block_k"))
 def kvcache_attention_forward(q, k_cache, v_cache, seqlens, page_table=None, *, scale: float,
                               window_left: int, window_right: int, block_k: int = 256):
@@ -145,9 +156,10 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens, page_table=None, *, 
             acc = acc * rescale[..., None] + _einsum("bhgqk,bhkd->bhgqd", p, v_blk)
             return m_new, l, acc
 
-        row = jnp.zeros((b, hkv, g, tq), jnp.float32)
-        m, l, acc = lax.fori_loop(first_block, end_block, step,
-                                  (row - jnp.inf, row, jnp.zeros_like(o)))
+        row = _varying_like(jnp.zeros((b, hkv, g, tq), jnp.float32),
+                            q, k_cache, v_cache, seqlens, page_table)
+        init = (row - jnp.inf, row, jnp.zeros_like(row, shape=o.shape))
+        m, l, acc = lax.fori_loop(first_block, end_block, step, init)
         # l == 0 exactly: the row saw no key (o = 0, lse = -inf). A NaN l (NaN in what the row
         # saw) is not 0 and reaches o and lse.
         seen = l != 0
