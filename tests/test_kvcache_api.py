@@ -25,10 +25,10 @@ from tk_jax import kvcache
 from tk_jax.reference.kvcache import kvcache_attention_forward
 
 try:  # tests/ as a package, or tests/ on sys.path
-    from tests.naive import relative_l2
+    from tests.naive import naive_attention, relative_l2
     from tests.sharding_util import collectives
 except ImportError:
-    from naive import relative_l2
+    from naive import naive_attention, relative_l2
     from sharding_util import collectives
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
@@ -213,18 +213,16 @@ def check_against_naive(args, kwargs, *, dtype=jnp.float32, call=None, **options
 # (name, make_case kwargs, options)
 CASES = [
     ("decode, contiguous", dict(tq=1, tnew=1), dict()),
-    ("decode, no append", dict(tq=1), dict()),
     ("decode, paged 4, GQA 4", dict(tq=1, tnew=1, hq=8, hkv=2, page_size=4), dict()),
     ("MQA, paged 8", dict(tq=1, tnew=1, hq=4, hkv=1, page_size=8), dict()),
     ("verify 4 tokens, paged 4", dict(tq=4, tnew=4, page_size=4), dict()),
-    ("verify 4, not causal", dict(tq=4, tnew=4), dict(causal=False)),
+    ("verify 4, not causal, scale", dict(tq=4, tnew=4), dict(causal=False, softmax_scale=0.3)),
     ("16 tokens, paged 8, window", dict(tq=16, tnew=16, page_size=8, capacity=45),
      dict(window_size=(5, 0))),
     ("16 tokens, not causal, window both sides", dict(tq=16, tnew=16, hq=2, hkv=2),
      dict(causal=False, window_size=(3, 2))),
     ("chunked prefill, paged 8", dict(tq=24, tnew=24, page_size=8, capacity=64), dict()),
     ("more queries than keys appended", dict(tq=4, tnew=1), dict(window_size=(6, -1))),
-    ("scale", dict(tq=2, tnew=2, page_size=4), dict(softmax_scale=0.3)),
     ("long cache, several reference blocks", dict(batch=2, tq=1, tnew=1, capacity=600, d=8,
                                                   page_size=16), dict(window_size=(300, -1))),
 ]
@@ -255,7 +253,7 @@ def test_reference_blocks_match(rng):
     (q, k_cache, v_cache, lengths), _ = make_case(rng, batch=2, tq=3, capacity=53)
     results = [kvcache_attention_forward(q, k_cache, v_cache, lengths, scale=0.25,
                                          window_left=20, window_right=0, block_k=block_k)
-               for block_k in (7, 16, 256)]
+               for block_k in (7, 256)]
     ref_o, ref_lse, _, _ = naive_kvcache(q, k_cache, v_cache, lengths, scale=0.25, window=(20, 0))
     for o, lse in results:
         assert_close(o, ref_o, "o", 2e-5)
@@ -445,8 +443,7 @@ def _copies_of(text, shape):
             or re.search(rf"%[\w.-]*copy[\w.-]* = {result} ", line)]
 
 
-@pytest.mark.parametrize("route", ["reference", "kernel"])
-@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("route, paged", [("reference", False), ("kernel", False), ("kernel", True)])
 def test_append_is_in_place_when_donated(rng, request, route, paged):
     backend = request.getfixturevalue("kernel_path") if route == "kernel" else "reference"
     args, kwargs = make_case(rng, batch=2, tq=1, tnew=1, capacity=64,
@@ -460,8 +457,9 @@ def test_append_is_in_place_when_donated(rng, request, route, paged):
 
     step = jax.jit(step, donate_argnums=(0, 1))
     extra = (kwargs["page_table"],) if paged else ()
-    compiled = step.lower(k_cache, v_cache, q, lengths, kwargs["k_new"], kwargs["v_new"],
-                          *extra).compile().as_text()
+    step = step.lower(k_cache, v_cache, q, lengths, kwargs["k_new"], kwargs["v_new"],
+                      *extra).compile()
+    compiled = step.as_text()
     # Outputs 1 and 2 (the caches) alias parameters 0 and 1, and nothing copies a cache.
     header = compiled.splitlines()[0]
     assert re.search(r"\{1\}: \(0, \{\}", header) and re.search(r"\{2\}: \(1, \{\}", header), header
@@ -491,8 +489,8 @@ def test_jitted_prefill_and_decode_loop_in_place(rng):
     q, k_cache, v_cache, _ = args
     k_all, v_all, table = kwargs["k_new"], kwargs["v_new"], kwargs["page_table"]
     zero = jnp.zeros((batch,), jnp.int32)
-    o_all, k_all_at_once, _ = tk_jax.flash_attention_with_kvcache(
-        q, k_cache, v_cache, zero, k_new=k_all, v_new=v_all, page_table=table)
+    o_all, _, k_all_at_once, _ = naive_kvcache(q, k_cache, v_cache, zero, k_new=k_all,
+                                               v_new=v_all, page_table=table, window=(-1, 0))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def prefill(k_cache, v_cache):
@@ -513,20 +511,21 @@ def test_jitted_prefill_and_decode_loop_in_place(rng):
         (k_cache, v_cache), o = jax.lax.scan(step, (k_cache, v_cache), jnp.arange(5, 9))
         return jnp.swapaxes(o, 0, 1), k_cache, v_cache
 
+    prefill, decode = (program.lower(k_cache, v_cache).compile() for program in (prefill, decode))
     for program in (prefill, decode):
-        compiled = program.lower(k_cache, v_cache).compile().as_text()
-        assert not _copies_of(compiled, k_cache.shape), _copies_of(compiled, k_cache.shape)
+        assert not _copies_of(program.as_text(), k_cache.shape)
     o_prefill, k_out, v_out = prefill(jnp.copy(k_cache), jnp.copy(v_cache))
     o_decode, k_out, _ = decode(k_out, v_out)
     o = jnp.concatenate([o_prefill, o_decode], axis=1)
-    assert_close(o, np.asarray(o_all, np.float64), "o", 2e-5)
-    np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_all_at_once))
+    assert_close(o, o_all, "o", 2e-5)
+    np.testing.assert_array_equal(np.asarray(k_out, np.float64), k_all_at_once)
 
 
 @pytest.mark.parametrize("paged, pool_mapped", [(False, True), (True, True), (True, False)])
 def test_vmap(rng, paged, pool_mapped, kernel_path):
-    """vmap over a leading axis (kernel route: the rule folds it into the batch; a paged pool
-    that is not mapped is shared, one that is mapped is laid end to end)."""
+    """vmap over a leading axis: the partitioning rule folds it into the batch; a paged pool
+    that is not mapped is shared, one that is mapped is laid end to end. (Both backends run
+    under that rule: the kernel route covers the reference's too.)"""
     n = 2
     cases = [make_case(rng, batch=2, tq=2, tnew=2, capacity=12, page_size=4 if paged else None)
              for _ in range(n)]
@@ -542,7 +541,7 @@ def test_vmap(rng, paged, pool_mapped, kernel_path):
         return tk_jax.flash_attention_with_kvcache(q, k_cache, v_cache, lengths, **kw,
                                                    return_lse=True, backend=backend)
 
-    for backend in (kernel_path, "reference"):
+    for backend in (kernel_path,):
         mapped = jax.vmap(functools.partial(call, backend=backend),
                           in_axes=in_axes + (0,))(q, k_cache, v_cache, lengths, kwargs)
         for i in range(n):
@@ -615,12 +614,13 @@ SHARDED = [
 ]
 
 
-@pytest.mark.parametrize("route", ["reference", "kernel"])
 @pytest.mark.parametrize("name, paged, mesh, hq, hkv, q_spec, cache_spec, table_spec", SHARDED,
                          ids=[c[0] for c in SHARDED])
-def test_sharded_jit_has_no_collective(rng, request, route, name, paged, mesh, hq, hkv, q_spec,
+def test_sharded_jit_has_no_collective(rng, kernel_path, name, paged, mesh, hq, hkv, q_spec,
                                        cache_spec, table_spec):
-    backend = request.getfixturevalue("kernel_path") if route == "kernel" else "reference"
+    """The kernel route (the reference takes the same partitioning rule, so one route covers
+    both)."""
+    backend = kernel_path
     mesh = _mesh(*mesh)
     args, kwargs = make_case(rng, batch=4, tq=2, tnew=2, hq=hq, hkv=hkv, capacity=16,
                              page_size=4 if paged else None)
@@ -640,8 +640,8 @@ def test_sharded_jit_has_no_collective(rng, request, route, name, paged, mesh, h
     step = jax.jit(step, donate_argnums=(1, 2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "gathered" warning from the partitioning rule
-        compiled = step.lower(*sharded, sharded_kwargs).compile()
-    assert not collectives(compiled.as_text()), collectives(compiled.as_text())
+        step = step.lower(*sharded, sharded_kwargs).compile()
+    assert not collectives(step.as_text()), collectives(step.as_text())
     o, lse, k_out, v_out = step(*sharded, sharded_kwargs)
     assert k_out.sharding.is_equivalent_to(NamedSharding(mesh, cache_spec), 4)
     expected = naive_kvcache(*args, **kwargs, window=(-1, 0))
@@ -695,16 +695,15 @@ def test_decode_fast_path_applies(install_kernels):
     assert not kvcache.decode_fast_path_applies(q, k)
 
 
-@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0), (30, 7)])
+@pytest.mark.parametrize("window", [(-1, -1), (30, 7)])
 def test_decode_attention_fwd_equals_flash_attention(rng, kernel_path, window):
     q = random_array(rng, (2, 3, 4, 16))
     k, v = random_array(rng, (2, 700, 2, 16)), random_array(rng, (2, 700, 2, 16))
     o, lse = kvcache.decode_attention_fwd(q, k, v, scale=0.2, window_left=window[0],
                                           window_right=window[1])
-    ref_o, ref_lse = tk_jax.flash_attention(q, k, v, softmax_scale=0.2, window_size=window,
-                                            return_lse=True, backend="reference")
-    assert_close(o, np.asarray(ref_o, np.float64), "o", 2e-5)
-    assert_lse_close(lse, np.asarray(ref_lse, np.float64), "lse", 2e-5)
+    ref_o, ref_lse = naive_attention(q, k, v, 0.2, *window)  # flash_attention's rule
+    assert_close(o, ref_o, "o", 2e-5)
+    assert_lse_close(lse, ref_lse, "lse", 2e-5)
     lengths = jnp.asarray([700, 450], jnp.int32)
     o, _ = kvcache.decode_attention_fwd(q, k, v, scale=0.2, window_left=window[0],
                                         window_right=window[1], kv_seq_lengths=lengths)
