@@ -59,10 +59,10 @@ def naive_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None,
     else:
         capacity = k_cache.shape[1]
 
-    def location(b, j):  # where key j of row b lives in the cache arrays
+    def location(b, j):  # where keys j (an int or an index array) of row b live in the cache
         if not paged:
             return b, j
-        return int(np.clip(page_table[b, j // page_size], 0, num_pages - 1)), j % page_size
+        return np.clip(page_table[b, j // page_size], 0, num_pages - 1), j % page_size
 
     tnew = 0 if k_new is None else k_new.shape[1]
     lengths, valid = [], []
@@ -86,24 +86,22 @@ def naive_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None,
             o[b], lse[b] = np.nan, np.nan
             continue
         n = lengths[b]
-        keys = np.stack([k_cache[location(b, j)] for j in range(n)]) if n else np.zeros((0, hkv, d))
-        values = np.stack([v_cache[location(b, j)] for j in range(n)]) if n else keys
-        i = n - tq + np.arange(tq)[:, None]
+        keys, values = k_cache[location(b, np.arange(n))], v_cache[location(b, np.arange(n))]
+        i = n - tq + np.arange(tq)[:, None]  # the queries' positions
         j = np.arange(n)[None, :]
         visible = np.ones((tq, n), bool)
         if window[0] >= 0:
             visible &= j >= i - window[0]
         if window[1] >= 0:
             visible &= j <= i + window[1]
+        seen = visible.any(axis=1)
         for h in range(hq):
             s = np.where(visible, scale * q[b, :, h] @ keys[:, h // group].T, -np.inf)
-            for t in range(tq):
-                if not visible[t].any():
-                    continue
-                m = s[t].max()
-                e = np.exp(s[t] - m)
-                o[b, t, h] = e @ values[:, h // group] / e.sum()
-                lse[b, h, t] = m + np.log(e.sum())
+            m = np.where(seen, s.max(axis=1, initial=-np.inf), 0.0)
+            e = np.exp(s[seen] - m[seen, None])
+            total = e.sum(axis=1)
+            o[b, seen, h] = e @ values[:, h // group] / total[:, None]
+            lse[b, h, seen] = m[seen] + np.log(total)
     return o, lse, k_cache, v_cache
 
 
