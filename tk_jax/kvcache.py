@@ -90,9 +90,11 @@ def flash_attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.
     the returned caches alias them. Called eagerly, or without donation, JAX copies the cache.
 
     Sharding: under a sharded jit, shard a contiguous cache over batch and/or KV heads, a paged
-    cache over KV heads (axis 2) with q, cache_seqlens and the page table sharded (or not)
-    over batch: no collective is needed. Inside shard_map it runs on the local shard (a paged
-    cache then holds the local pages, and the page table indexes them).
+    cache over KV heads (axis 2): no collective is needed. (q, cache_seqlens and the page table
+    may also be split over batch against a paged cache when nothing is appended; an append
+    from batch shards into a pool that every device holds needs an all-gather.) Inside
+    shard_map it runs on the local shard (a paged cache then holds that device's pages, and
+    its page table indexes them).
     """
     _check_arrays(q, k_cache, v_cache, k_new, v_new, page_table)
     scale = resolve_softmax_scale(softmax_scale, head_dim=q.shape[-1], op=OP)
