@@ -110,6 +110,8 @@ def flash_attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.
     if new_tokens > capacity:
         raise ValueError(f"{OP}: k_new holds {new_tokens} tokens (axis 1) but the cache holds at "
                          f"most {capacity} per row")
+    if page_table is not None:
+        page_table = jnp.asarray(page_table).astype(jnp.int32)
     resolved = choose_backend(q, k_cache, page_table, backend)
     o, lse, k_cache, v_cache = _append_and_attend(
         q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, scale=scale,
@@ -125,8 +127,6 @@ def flash_attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.
 @functools.partial(jax.jit, static_argnames=("scale", "window_left", "window_right", "backend"))
 def _append_and_attend(q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, *, scale,
                        window_left, window_right, backend):
-    if page_table is not None:
-        page_table = page_table.astype(jnp.int32)
     q, k_cache, v_cache = (_forward_only(x) for x in (q, k_cache, v_cache))
     if k_new is None:
         seqlens = cache_seqlens
