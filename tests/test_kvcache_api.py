@@ -65,26 +65,20 @@ def naive_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None,
         return np.clip(page_table[b, j // page_size], 0, num_pages - 1), j % page_size
 
     tnew = 0 if k_new is None else k_new.shape[1]
-    lengths, valid = [], []
+    lengths = []
     for b in range(batch):
-        n = int(cache_seqlens[b])
-        ok = 0 <= n <= capacity - tnew
-        if ok and tnew:
-            for t in range(tnew):
-                j = n + t
-                if paged and not 0 <= page_table[b, j // page_size] < num_pages:
-                    continue  # a token whose page id is out of range is not written
-                k_cache[location(b, j)] = k_new[b, t]
-                v_cache[location(b, j)] = v_new[b, t]
-        lengths.append(n + tnew)
-        valid.append(ok)
+        start = min(max(int(cache_seqlens[b]), 0), capacity - tnew)  # a full cache: clamped
+        for t in range(tnew):
+            j = start + t
+            if paged and not 0 <= page_table[b, j // page_size] < num_pages:
+                continue  # a token whose page id is out of range is not written
+            k_cache[location(b, j)] = k_new[b, t]
+            v_cache[location(b, j)] = v_new[b, t]
+        lengths.append(start + tnew)
 
     o = np.zeros((batch, tq, hq, d))
     lse = np.full((batch, hq, tq), -np.inf)
     for b in range(batch):
-        if not valid[b]:
-            o[b], lse[b] = np.nan, np.nan
-            continue
         n = lengths[b]
         keys, values = k_cache[location(b, np.arange(n))], v_cache[location(b, np.arange(n))]
         i = n - tq + np.arange(tq)[:, None]  # the queries' positions
@@ -313,25 +307,21 @@ def test_nan_reaches_the_rows_that_see_it(rng):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_full_cache_rows_are_nan_and_not_written(rng, paged):
-    """A row whose append does not fit, or whose cache_seqlens is negative or (without an
-    append) above the capacity, gets NaN and its cache stays as it was; other rows are
-    unaffected."""
+def test_full_cache_clamps_like_dynamic_update_slice(rng, paged):
+    """cache_seqlens is clamped into [0, capacity - Tnew] (into [0, capacity] without an
+    append): an append past the end overwrites the last Tnew positions, as
+    lax.dynamic_update_slice would, and nothing is written out of bounds."""
     args, kwargs = make_case(rng, batch=4, tq=3, tnew=3, capacity=16,
                              page_size=4 if paged else None)
     q, k_cache, v_cache, _ = args
-    lengths = jnp.asarray([13, 14, -1, 5], jnp.int32)  # 13 + 3 fits exactly; 14 + 3 does not
+    lengths = jnp.asarray([13, 15, -4, 5], jnp.int32)  # 13 + 3 fits exactly; 15 + 3 does not
     check_against_naive((q, k_cache, v_cache, lengths), kwargs)
-    o, k_out, _ = tk_jax.flash_attention_with_kvcache(q, k_cache, v_cache, lengths, **kwargs)
-    o = np.asarray(o)
-    assert np.all(np.isnan(o[1:3])) and np.all(np.isfinite(o[[0, 3]]))
     if not paged:
-        np.testing.assert_array_equal(np.asarray(k_out[1:3]), np.asarray(k_cache[1:3]))
-    no_append = tk_jax.flash_attention_with_kvcache(q, k_cache, v_cache,
-                                                    jnp.asarray([16, 17, 0, -3]),
-                                                    page_table=kwargs.get("page_table"))
-    no_append = np.asarray(no_append)
-    assert np.all(np.isfinite(no_append[[0, 2]])) and np.all(np.isnan(no_append[[1, 3]]))
+        written = jax.lax.dynamic_update_slice(k_cache[1], kwargs["k_new"][1], (15, 0, 0))
+        k_out = tk_jax.flash_attention_with_kvcache(q, k_cache, v_cache, lengths, **kwargs)[1]
+        np.testing.assert_array_equal(np.asarray(k_out[1]), np.asarray(written))
+    no_append = (q, k_cache, v_cache, jnp.asarray([16, 17, 0, -3], jnp.int32))
+    check_against_naive(no_append, {key: kwargs[key] for key in kwargs if key == "page_table"})
 
 
 def test_out_of_range_page_ids(rng):
@@ -555,7 +545,7 @@ def test_vmap(rng, paged, pool_mapped, kernel_path):
 
 def test_auto_dispatches_to_the_kernel(rng, install_kernels):
     """backend="auto" calls _kernels.attention_kvcache with seqlens = cache_seqlens + Tnew
-    (-1 for a row that does not fit), the page table and the static attributes; when
+    (clamped to the capacity), the page table and the static attributes; when
     kvcache_kernel_unsupported says why not, it falls back to the reference (and
     backend="kernel" raises with that reason)."""
     import types
@@ -578,7 +568,7 @@ def test_auto_dispatches_to_the_kernel(rng, install_kernels):
     args = args[:3] + (jnp.asarray([3, 0, 15], jnp.int32),)
     check_against_naive(args, kwargs, window_size=(4, -1))
     assert len(calls) == 1
-    np.testing.assert_array_equal(calls[0]["seqlens"], [5, 2, -1])
+    np.testing.assert_array_equal(calls[0]["seqlens"], [5, 2, 16])  # 15 + 2: clamped
     assert calls[0]["window"] == (4, 0) and calls[0]["scale"] == pytest.approx(0.25)
     assert calls[0]["page_table"].shape == kwargs["page_table"].shape
     assert calls[0]["cache"].shape == args[1].shape

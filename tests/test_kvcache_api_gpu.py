@@ -3,7 +3,7 @@ tests/test_kvcache_api.py and against FlashAttention-3 for JAX (flash_mha_with_k
 flash_attn3_jax imports): contiguous and paged caches, random lengths (0 and full), shuffled
 page tables, appends across pages, GQA/MQA, D 64/128/256, bf16/fp16, 1 to 16 query tokens
 and a chunked prefill, caches long enough to split the keys, stale cache entries poisoned with
-NaN, full rows, outputs poisoned before each launch, two runs compared bit for bit, the
+NaN, full caches, outputs poisoned before each launch, two runs compared bit for bit, the
 in-place append in the compiled GPU program, and flash_attention's decode path.
 
 Run: python3 -m pytest -m gpu -q tests/test_kvcache_api_gpu.py
@@ -145,9 +145,9 @@ def test_kernel_masks(hopper, rng, options, page_size):
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
-def test_full_and_invalid_rows(hopper, rng, page_size):
-    """Rows whose append does not fit or whose length is negative: o = lse = NaN, nothing
-    written; page ids out of range: writes dropped, reads clamped."""
+def test_full_cache_and_bad_page_ids(hopper, rng, page_size):
+    """cache_seqlens clamped into [0, capacity - Tnew] (an append past the end overwrites the
+    last positions); a page id out of range: its writes dropped, its reads clamped."""
     args, kwargs = _case(rng, batch=4, tq=2, tnew=2, hq=8, hkv=2, d=128, capacity=64,
                          page_size=page_size, dtype=jnp.bfloat16, poison_stale=False,
                          lengths=[62, 63, -5, 7])  # 62 + 2 fits exactly, 63 + 2 does not
@@ -156,6 +156,9 @@ def test_full_and_invalid_rows(hopper, rng, page_size):
         # page are clamped to the last page.
         kwargs["page_table"][3, 0] = 10**6
     _check(args, kwargs)
+    # Without an append: lengths clamped into [0, capacity].
+    _check(args[:3] + (np.asarray([64, 70, -1, 7], np.int32),),
+           {k: v for k, v in kwargs.items() if k == "page_table"})
 
 
 def test_nan_reaches_only_the_rows_that_see_it(hopper, rng):

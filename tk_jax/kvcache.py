@@ -79,11 +79,13 @@ def flash_attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.
       A query that sees no key gets o = 0 and lse = -inf. Cache entries past a row's n_b keys
       never affect it (they may hold anything, NaN included).
 
-    Full or invalid rows: a row whose cache_seqlens[b] is negative, or whose append does not
-    fit (cache_seqlens[b] + Tnew > capacity), or (without k_new) whose cache_seqlens[b] is
-    above the capacity, gets o = NaN and lse = NaN, and nothing of its k_new is written. A new
-    token whose page id is out of [0, num_pages) is not written; an out-of-range page id that
-    the attention reads is clamped into range (never read out of bounds).
+    A full cache (values are not known while tracing, so this is no error) behaves as
+    jax.lax.dynamic_update_slice: cache_seqlens[b] is clamped into [0, capacity - Tnew], so an
+    append that would run past the end overwrites the last Tnew positions instead, and the
+    attention covers the whole cache (without k_new: cache_seqlens clamped into
+    [0, capacity]). A new token on a page id outside [0, num_pages) is not written; such a
+    page id read by the attention is clamped into range. Nothing is read or written out of
+    bounds.
 
     In place: inside `jax.jit(..., donate_argnums=...)` that donates k_cache and v_cache, the
     append writes only the Tnew new rows into the donated buffers (no copy of the cache), and
@@ -153,40 +155,34 @@ def choose_backend(q, k_cache, page_table, backend: str) -> str:
 
 
 def append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None):
-    """Write k_new / v_new [B, Tnew, Hkv, D] at positions cache_seqlens[b] + t of each row.
+    """Write k_new / v_new [B, Tnew, Hkv, D] at positions start[b] + t of each row, start =
+    cache_seqlens clamped into [0, capacity - Tnew] (jax.lax.dynamic_update_slice's rule).
 
-    Returns (k_cache, v_cache, seqlens): the updated caches and seqlens [B] int32, the valid
-    keys per row after the append, or -1 for a row whose append does not fit (nothing of it is
-    written; the attention then gives that row NaN). One scatter per cache, with out-of-range
-    writes dropped: on a donated cache XLA performs it in place, writing only the new rows.
+    Returns (k_cache, v_cache, seqlens): the updated caches and seqlens = start + Tnew [B]
+    int32, the valid keys per row after the append. One scatter per cache: on a donated cache
+    XLA performs it in place, writing only the new rows.
     """
     tnew = k_new.shape[1]
     capacity = cache_capacity(k_cache, page_table)
-    # Written as "<= capacity - tnew" so that no int32 sum can overflow.
-    fits = (cache_seqlens >= 0) & (cache_seqlens <= capacity - tnew)
-    seqlens = jnp.where(fits, cache_seqlens + tnew, -1)
+    start = jnp.clip(cache_seqlens, 0, capacity - tnew)
     if page_table is None:
-        # A row that does not fit gets a start past the end: XLA drops a window that leaves the
-        # array, so none of the row is written.
-        start = jnp.where(fits, cache_seqlens, capacity)
         write = jax.vmap(_write_rows)
-        return write(k_cache, k_new, start), write(v_cache, v_new, start), seqlens
+        return write(k_cache, k_new, start), write(v_cache, v_new, start), start + tnew
 
     num_pages, page_size = k_cache.shape[:2]
-    positions = jnp.where(fits, cache_seqlens, 0)[:, None] + jnp.arange(tnew)     # [B, Tnew]
-    page_slot = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
-    pages = jnp.take_along_axis(page_table, page_slot, axis=1)
-    # Not written: rows that do not fit and page ids out of range (sent to page num_pages,
-    # past the end, which XLA drops; a negative index would wrap around instead).
-    pages = jnp.where(fits[:, None] & (pages >= 0) & (pages < num_pages), pages, num_pages)
+    positions = start[:, None] + jnp.arange(tnew)                                  # [B, Tnew]
+    pages = jnp.take_along_axis(page_table, positions // page_size, axis=1)
+    # A page id out of range is not written to: it goes to page num_pages, past the end, which
+    # the scatter drops (a negative index would wrap around instead).
+    pages = jnp.where((pages >= 0) & (pages < num_pages), pages, num_pages)
     index = jnp.stack([pages, positions % page_size], axis=-1).reshape(-1, 2)
     write = functools.partial(_write_tokens, index)
-    return write(k_cache, k_new), write(v_cache, v_new), seqlens
+    return write(k_cache, k_new), write(v_cache, v_new), start + tnew
 
 
 def _write_rows(cache_row, new_rows, start):
-    """cache_row [S, H, D] with new_rows [T, H, D] at start .. start + T - 1; a block that
-    does not fit entirely is dropped (a window out of bounds: XLA skips it whole)."""
+    """cache_row [S, H, D] with new_rows [T, H, D] at start .. start + T - 1 (in range: the
+    caller clamps start)."""
     dims = lax.ScatterDimensionNumbers(update_window_dims=(0, 1, 2), inserted_window_dims=(),
                                        scatter_dims_to_operand_dims=(0,))
     return lax.scatter(cache_row, start[None], new_rows.astype(cache_row.dtype), dims,
@@ -241,9 +237,9 @@ def decode_fast_path_applies(q, k) -> bool:
 def decode_attention_fwd(q, k, v, *, scale, window_left, window_right, kv_seq_lengths=None,
                          local=False):
     """flash_attention's forward (o, lse) with the KV-cache kernel: k, v [B, Tk, Hkv, D] as a
-    contiguous cache holding Tk keys per row (or kv_seq_lengths[b], which must lie in
-    [0, Tk]: a row outside gets NaN). Same mask as flash_attention's bottom-right window.
-    Not differentiable by itself: the caller's custom_vjp keeps its own backward."""
+    contiguous cache holding Tk keys per row (or kv_seq_lengths[b], clamped into [0, Tk]).
+    Same mask as flash_attention's bottom-right window. Not differentiable by itself: the
+    caller's custom_vjp keeps its own backward."""
     seqlens = kv_seq_lengths
     if seqlens is None:
         seqlens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)

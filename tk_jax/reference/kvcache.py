@@ -16,9 +16,9 @@ FlashAttention's bottom-right alignment) and sees key j iff
     and (window_left  < 0 or j >= position - window_left)
     and (window_right < 0 or j <= position + window_right).
 A query that sees no key gets o = 0 and lse = -inf. Cache entries at positions >= seqlens[b]
-never touch row b's results (they may hold anything, NaN included). A row with seqlens[b] < 0
-or > capacity is invalid: its o and lse are NaN. A page id outside [0, num_pages) is read as
-the nearest valid page (clamped): the kernel never reads out of bounds, and neither does this.
+never touch row b's results (they may hold anything, NaN included). Values the kernel cannot
+trust are clamped, so that nothing is read out of bounds: seqlens[b] into [0, capacity], a
+page id into [0, num_pages).
 
 Memory stays bounded for long caches: the keys are visited in blocks of `block_k` (online
 softmax, as FlashAttention), from the first block any row can see to the last that holds a
@@ -75,7 +75,7 @@ def _check_inputs(q, k_cache, v_cache, seqlens, page_table, block_k):
 def _gather_keys(k_cache, v_cache, page_table, start, block_k):
     """Keys start .. start + block_k - 1 of every row as float32 [B, Hkv, block_k, D] (K and V)
     and their positions. `start` is traced; positions past the capacity are clamped to valid
-    memory here and masked by the caller (they are >= seqlens of every valid row)."""
+    memory here and masked by the caller (they are >= the seqlens of every row)."""
     if page_table is None:
         # dynamic_slice keeps the block inside the array by moving its start down; the caller
         # masks the keys below `start` that this repeats from the previous block.
@@ -115,9 +115,7 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens, page_table=None, *, 
     hkv = k_cache.shape[2]
     g = hq // hkv
     capacity = cache_capacity(k_cache, page_table)
-    seqlens = seqlens.astype(jnp.int32)
-    invalid = (seqlens < 0) | (seqlens > capacity)
-    kv_len = jnp.clip(seqlens, 0, capacity)
+    kv_len = jnp.clip(seqlens.astype(jnp.int32), 0, capacity)
     query_pos = kv_len[:, None] - tq + jnp.arange(tq)  # [B, Tq]
 
     o = jnp.zeros((b, hkv, g, tq, d), jnp.float32)
@@ -171,7 +169,4 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens, page_table=None, *, 
         lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
 
     o = jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, tq, hq, d)
-    lse = lse.reshape(b, hq, tq)
-    o = jnp.where(invalid[:, None, None, None], jnp.nan, o)
-    lse = jnp.where(invalid[:, None, None], jnp.nan, lse)
-    return o.astype(q.dtype), lse
+    return o.astype(q.dtype), lse.reshape(b, hq, tq)
