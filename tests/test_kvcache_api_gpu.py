@@ -276,10 +276,14 @@ def test_matches_fa3_flash_mha_with_kvcache(hopper, rng, case):
     kw = {k: jnp.asarray(v) for k, v in kwargs.items()}
     ours = tk_jax.flash_attention_with_kvcache(q, k_cache, v_cache, lengths, **kw, causal=causal,
                                                return_lse=True, backend="kernel")
+    new = dict(k=kw.get("k_new"), v=kw.get("v_new"))
+    if page_size and tnew:
+        # FA3's wrapper checks cache_seqlens + Tnew against k_cache.shape[1], the page size of a
+        # paged cache: give it our appended cache and the lengths after the append instead.
+        k_cache, v_cache, lengths, new = ours[2], ours[3], lengths + tnew, {}
     # FA3's kernel may write k/v into the cache buffers it is given: hand it copies.
     theirs = fa3.flash_mha_with_kvcache(
-        q, jnp.copy(k_cache), jnp.copy(v_cache), k=kw.get("k_new"), v=kw.get("v_new"),
-        cache_seqlens=lengths, page_table=kw.get("page_table"), is_causal=causal,
-        return_softmax_lse=True)
+        q, jnp.copy(k_cache), jnp.copy(v_cache), **new, cache_seqlens=lengths,
+        page_table=kw.get("page_table"), is_causal=causal, return_softmax_lse=True)
     assert rel_l2(np.asarray(ours[0], np.float32), np.asarray(theirs[0], np.float32)) < 1e-2
     np.testing.assert_allclose(np.asarray(ours[1]), np.asarray(theirs[1]), rtol=2e-3, atol=2e-3)
