@@ -15,8 +15,11 @@ FlashAttention's bottom-right alignment) and sees key j iff
     j < seqlens[b]
     and (window_left  < 0 or j >= position - window_left)
     and (window_right < 0 or j <= position + window_right).
-A query that sees no key gets o = 0 and lse = -inf. Cache entries at positions >= seqlens[b]
-never touch row b's results (they may hold anything, NaN included). Values the kernel cannot
+A query that sees no key gets o = 0 and lse = -inf. NaN or inf in q, or in the keys or values
+a query sees, reaches that query (o and lse NaN); a non-finite value of a key that only other
+queries of the row see may reach it too (0 * NaN in the products, as in the kernel's tiles).
+Cache entries at positions >= seqlens[b] never touch row b's results (they may hold anything,
+NaN included). Values the kernel cannot
 trust are clamped, so that nothing is read out of bounds: seqlens[b] into [0, capacity], a
 page id into [0, num_pages).
 
