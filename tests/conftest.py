@@ -80,6 +80,7 @@ def kernel_path(monkeypatch, install_kernels):
     from tk_jax import _partitioning
     from tk_jax.reference.attention import attention_backward, attention_forward
     from tk_jax.reference.based import based_decode_step_reference, based_forward
+    from tk_jax.reference.kvcache import kvcache_attention_forward
 
     # The masks (segment ids, lengths, bottom_right) are the reference's keyword arguments too.
     def attention_fwd(q, k, v, *, scale, window_left, window_right, **masks):
@@ -111,10 +112,17 @@ def kernel_path(monkeypatch, install_kernels):
                                                 eps=eps)
         return y, s, z
 
+    def attention_kvcache(q, k_cache, v_cache, seqlens, page_table=None, *, scale, window_left,
+                          window_right, num_splits=0):
+        return kvcache_attention_forward(q, k_cache, v_cache, seqlens, page_table, scale=scale,
+                                         window_left=window_left, window_right=window_right)
+
     module = types.ModuleType("tk_jax._kernels")
     module.attention_fwd = attention_fwd
     module.attention_bwd = attention_bwd
     module.attention_kernel_unsupported = lambda q, k, v: None
+    module.attention_kvcache = attention_kvcache
+    module.kvcache_kernel_unsupported = lambda q, k_cache, page_table: None
     module.based_fwd = based_fwd
     module.based_bwd = based_bwd
     module.based_kernel_unsupported = lambda q, k, v: None

@@ -355,3 +355,53 @@ def partitioned_attention_bwd(fn, *, with_dlse: bool, mask_names: tuple[str, ...
     mask_names = tuple(mask_names)
     return shard_over_batch_and_heads(arrays_as_keywords(fn, mask_names),
                                       *_with_masks(layout, mask_names))
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention against a key/value cache (tk_jax/kvcache.py): q, k_cache, v_cache, seqlens and,
+# for a paged cache, the page table -> o, lse. A contiguous cache [B, S, Hkv, D] splits like
+# K/V over batch and kv heads. A paged cache [num_pages, page_size, Hkv, D] is one pool that
+# every batch row indexes through its page table: it splits over kv heads only (its page axis
+# stays whole on each device), while q, seqlens and the page table still split over batch.
+
+KVCACHE_LAYOUT = ("b tq hq d, b s hkv d, b s hkv d, b", "b tq hq d, b hq tq")
+KVCACHE_PAGED_LAYOUT = ("b tq hq d, n p hkv d, n p hkv d, b, b m", "b tq hq d, b hq tq")
+
+
+class _PagedKVCachePartitioned(_BatchHeadPartitioned):
+    """The batch/head rule for a paged-cache call; vmap folds the mapped axis into the batch
+    as for the other calls, but keeps one pool: a mapped pool's pages are laid end to end and
+    each mapped page table is offset to its own pool's pages."""
+
+    def _vmap_rule(self, static, axis_size, in_batched, q, k_pool, v_pool, seqlens, page_table):
+        def fold(x, batched):
+            if not batched:
+                x = jnp.broadcast_to(x, (axis_size,) + x.shape)
+            return x.reshape((axis_size * x.shape[1],) + x.shape[2:])
+
+        q_batched, k_batched, v_batched, lens_batched, table_batched = in_batched
+        if k_batched or v_batched:
+            num_pages = (k_pool.shape[1] if k_batched else k_pool.shape[0])
+            k_pool, v_pool = fold(k_pool, k_batched), fold(v_pool, v_batched)
+            if not table_batched:
+                page_table = jnp.broadcast_to(page_table, (axis_size,) + page_table.shape)
+            # Clamp first: an out-of-range id reads the nearest page of its own pool.
+            offsets = (jnp.arange(axis_size, dtype=jnp.int32) * num_pages)[:, None, None]
+            page_table = jnp.clip(page_table, 0, num_pages - 1) + offsets
+            table_batched = True
+        folded = (fold(q, q_batched), k_pool, v_pool, fold(seqlens, lens_batched),
+                  fold(page_table, table_batched))
+        outs = self(*folded, **dict(static))
+        outs = tuple(o.reshape((axis_size, o.shape[0] // axis_size) + o.shape[1:]) for o in outs)
+        return outs, tuple(True for _ in outs)
+
+
+@functools.lru_cache(maxsize=None)
+def partitioned_attention_kvcache(fn, *, paged: bool):
+    """`fn(q, k_cache, v_cache, seqlens[, page_table], *, scale, window_left, window_right)
+    -> (o, lse)` with the batch/head rule (KVCACHE_LAYOUT or KVCACHE_PAGED_LAYOUT)."""
+    if not paged:
+        return shard_over_batch_and_heads(fn, *KVCACHE_LAYOUT)
+    operands, results = (tuple(tuple(part.split()) for part in text.split(","))
+                         for text in KVCACHE_PAGED_LAYOUT)
+    return _PagedKVCachePartitioned(fn, operands, results)
