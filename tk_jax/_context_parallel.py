@@ -15,10 +15,14 @@ different work in one step take different branches of a switch on the device ind
 Overlap. The ring is unrolled (a Python loop, not a scan), so every transfer is its own pair of
 collective-permute-start/done in one straight-line program: the next block's transfer is
 issued before this block's computation and only the next step's computation waits for it.
-Nothing that a transfer carries is an operand of the computation it should overlap: in the
-backward the dK/dV partial sums that travel with their block are added to outside the
-step's kernel calls (a switch whose operands included them would wait for the transfer), and
-the device's own block is computed last, so that the last hop (dK/dV home) overlaps it.
+One transfer per step: XLA's latency-hiding scheduler lets one collective-permute at a time
+overlap computation, so K and V travel as one payload (the arrays' bits packed into one
+uint32 vector), and in the backward the same payload also carries the dK/dV partial sums of
+the block the receiver holds now: both are ready when the step starts. The receiver needs the
+K/V part only for its next step and the partial sums only after its own kernels of this step
+(they are added outside the step: a switch whose operands included them would wait for the
+transfer). The device's own block is computed last in the backward, so that the last hop
+(the partial sums going home) overlaps it.
 """
 from __future__ import annotations
 
@@ -49,10 +53,61 @@ EXCHANGE_ENV = "TK_JAX_CONTEXT_PARALLEL"  # "ring" | "all_gather" | unset ("auto
 
 
 def send(x, axis_name: AxisName, num_devices: int, shift: int = 1):
-    """Every device passes x (a pytree of arrays of one dtype: one transfer) to the device
-    `shift` places further on the ring."""
+    """Every device passes x (one array: one transfer) to the device `shift` places further on
+    the ring."""
     perm = [(i, (i + shift) % num_devices) for i in range(num_devices)]
     return lax.ppermute(x, axis_name, perm)
+
+
+def _to_words(x):
+    """x's bits as a uint32 vector (2-byte types in pairs, padded to an even count)."""
+    flat = x.reshape(-1)
+    size = jnp.dtype(x.dtype).itemsize
+    if size == 4:
+        return lax.bitcast_convert_type(flat, jnp.uint32)
+    if size == 2:
+        if flat.shape[0] % 2:
+            flat = jnp.pad(flat, (0, 1))
+        return lax.bitcast_convert_type(flat.reshape(-1, 2), jnp.uint32)
+    if size == 8:
+        return lax.bitcast_convert_type(flat, jnp.uint32).reshape(-1)
+    raise TypeError(f"cannot pack {x.dtype} into a ring payload")
+
+
+def _from_words(words, like):
+    """Inverse of _to_words, for an array shaped and typed like `like` (a ShapeDtypeStruct)."""
+    size = jnp.dtype(like.dtype).itemsize
+    if size == 4:
+        flat = lax.bitcast_convert_type(words, like.dtype)
+    elif size == 2:
+        flat = lax.bitcast_convert_type(words, like.dtype).reshape(-1)[:int(np.prod(like.shape))]
+    else:
+        flat = lax.bitcast_convert_type(words.reshape(-1, 2), like.dtype)
+    return flat.reshape(like.shape)
+
+
+def _word_count(like) -> int:
+    count = int(np.prod(like.shape)) * jnp.dtype(like.dtype).itemsize
+    return -(-count // 4)
+
+
+def pack(arrays) -> jax.Array:
+    """Arrays of any shapes and types as one uint32 payload (one transfer)."""
+    return jnp.concatenate([_to_words(x) for x in arrays])
+
+
+def unpack(payload, likes) -> tuple:
+    """The arrays shaped and typed like `likes` from a payload made by pack()."""
+    out, start = [], 0
+    for like in likes:
+        stop = start + _word_count(like)
+        out.append(_from_words(payload[start:stop], like))
+        start = stop
+    return tuple(out)
+
+
+def _shape_of(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def merge(o_acc, lse_acc, o, lse):
@@ -137,14 +192,16 @@ def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: 
     first, issued before the step's computation)."""
     acc = _empty_forward(q, v)
     unwritten = np.ones(q.shape[1], bool)
-    kv = (k, v)
+    kv, likes = (k, v), (_shape_of(k), _shape_of(v))
+    payload = pack(kv) if len(plan.steps) > 1 else None
     for index, step in enumerate(plan.steps):
         last = index == len(plan.steps) - 1
-        kv_next = None if last else send(kv, axis_name, plan.num_devices)
+        # Issued before this step's computation; the block is passed on as it came.
+        payload = None if last else send(payload, axis_name, plan.num_devices)
         branch = functools.partial(_forward_blocks, attend, unwritten)
         acc = _run_step(step, axis_name, branch, q, kv, acc)
         unwritten = _touched_rows(step, unwritten)
-        kv = kv_next
+        kv = None if last else unpack(payload, likes)
     o, lse = acc
     return o.astype(q.dtype), lse
 
@@ -189,29 +246,38 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
     step) travel with their block, each device adding its share. The steps with other
     devices' keys run first and the device's own block last: the partial sums of the own
     block then come home during its computation."""
-    n = plan.num_devices
+    n, steps = plan.num_devices, len(plan.steps)
     saved = (q, o, lse, do, dlse)
     branch = functools.partial(_backward_blocks, attend_bwd, saved)
     dq = jnp.zeros_like(q, jnp.float32)
+    kv_likes = (_shape_of(k), _shape_of(v))
+    sum_likes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (k, v))
     home = None  # the other devices' share of this device's dk, dv
-    if len(plan.steps) > 1:
-        kv = send((k, v), axis_name, n)
-        travelling = None
-        for index in range(1, len(plan.steps)):
-            last = index == len(plan.steps) - 1
-            kv_next = None if last else send(kv, axis_name, n)
+    if steps > 1:
+        # Step 1's keys: the device's own, sent before anything else (nothing to wait for).
+        kv = unpack(send(pack((k, v)), axis_name, n), kv_likes)
+        finished = None  # partial sums of the block this device held in the previous step
+        for index in range(1, steps):
+            last = index == steps - 1
+            # One payload, issued before this step's computation: this step's keys (for the
+            # receiver's next step) and the partial sums of the previous step's block (the
+            # block the receiver holds now).
+            parts = (() if last else kv) + (() if finished is None else finished)
+            received = send(pack(parts), axis_name, n) if parts else None
             dq, contribution = _run_step(plan.steps[index], axis_name, branch, kv, dq)
-            # Added outside the step, so that the step's kernels need not wait for the
-            # partial sums still on their way from the previous device.
-            total = contribution if travelling is None else jax.tree.map(
-                jnp.add, travelling, contribution)
-            if last:  # the block of device r - index: send it home
-                home = send(total, axis_name, n, shift=-index)
-            else:
-                travelling = send(total, axis_name, n)
-            kv = kv_next
-    dq, (dk, dv) = _run_step(plan.steps[0], axis_name, branch, (k, v), dq) if plan.steps else (
-        dq, (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)))
+            if finished is not None:  # the previous devices' share of the block held now
+                incoming = unpack(received[-sum(map(_word_count, sum_likes)):], sum_likes)
+                contribution = jax.tree.map(jnp.add, incoming, contribution)
+            finished = contribution
+            if not last:
+                kv = unpack(received, kv_likes)
+        # The partial sums of the last block go home (device r - (steps - 1) -> shift back)
+        # while the device computes its own block.
+        home = unpack(send(pack(finished), axis_name, n, shift=-(steps - 1)), sum_likes)
+    if plan.steps:
+        dq, (dk, dv) = _run_step(plan.steps[0], axis_name, branch, (k, v), dq)
+    else:
+        dk, dv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
     if home is not None:
         dk, dv = dk + home[0], dv + home[1]
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -433,3 +499,20 @@ def sequence_sharded_backward(fn, static: dict, plan: SequencePlan, axis_name: A
         if plan.exchange == RING:
             dk, dv = back(dk, axis=1), back(dv, axis=1)
     return dq, dk, dv
+
+
+def sequence_sharded_program(kind: str, fn, static: dict, mesh, sequence_axes: tuple,
+                             kv_split: bool, global_shapes) -> Callable:
+    """The per-device program of an attention kernel call ("forward" or "backward": fn is the
+    forward or the backward kernel) whose queries are split along the sequence over the mesh
+    axes `sequence_axes` (K/V too when kv_split, else whole). Called by the partitioning rule
+    (tk_jax/_partitioning.py), with the global shapes of the call's operands."""
+    axis_name = sequence_axes[0] if len(sequence_axes) == 1 else tuple(sequence_axes)
+    n = int(np.prod([mesh.shape[a] for a in sequence_axes]))
+    q_shape, k_shape, v_shape = global_shapes[:3]
+    plan = plan_for(static, q_shape, k_shape, v_shape, n, kv_split)
+    if kind == "forward":
+        return lambda q, k, v: sequence_sharded_forward(fn, static, plan, axis_name, q, k, v)
+    if kind == "backward":
+        return lambda *arrays: sequence_sharded_backward(fn, static, plan, axis_name, *arrays)
+    raise ValueError(f"kind must be 'forward' or 'backward', got {kind!r}")
