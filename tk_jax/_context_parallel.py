@@ -186,6 +186,16 @@ def _forward_blocks(attend: BlockForward, unwritten: np.ndarray, blocks, q, kv, 
     return o_acc, lse_acc
 
 
+def _after(payload, result):
+    """(payload, result), with the payload's transfer tied to `result` (the previous step's):
+    XLA then issues the transfer only once that step is done. A chain of transfers that only
+    pass a block on depends on no computation, and a scheduler (XLA's default one) may
+    otherwise run the whole chain back to back before the first step, so that none of the
+    steps overlaps a transfer; tied, transfer s+1 starts after step s-1 and is awaited only
+    by step s+1: it runs during step s."""
+    return lax.optimization_barrier((payload, result))
+
+
 def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: BlockForward):
     """(o [B, Tq, Hq, Dv] in q's dtype, lse [B, Hq, Tq] float32) of this device's queries; the
     keys and values go around the ring (one transfer of the (K, V) pair per step after the
@@ -196,8 +206,11 @@ def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: 
     payload = pack(kv) if len(plan.steps) > 1 else None
     for index, step in enumerate(plan.steps):
         last = index == len(plan.steps) - 1
-        # Issued before this step's computation; the block is passed on as it came.
-        payload = None if last else send(payload, axis_name, plan.num_devices)
+        if not last:
+            if index:
+                payload, acc = _after(payload, acc)
+            # Issued before this step's computation; the block is passed on as it came.
+            payload = send(payload, axis_name, plan.num_devices)
         branch = functools.partial(_forward_blocks, attend, unwritten)
         acc = _run_step(step, axis_name, branch, q, kv, acc)
         unwritten = _touched_rows(step, unwritten)
@@ -255,22 +268,26 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
     home = None  # the other devices' share of this device's dk, dv
     if steps > 1:
         # Step 1's keys: the device's own, sent before anything else (nothing to wait for).
-        kv = unpack(send(pack((k, v)), axis_name, n), kv_likes)
+        kv_words = send(pack((k, v)), axis_name, n)
+        kv = unpack(kv_words, kv_likes)
+        kv_count = sum(map(_word_count, kv_likes))
         finished = None  # partial sums of the block this device held in the previous step
         for index in range(1, steps):
             last = index == steps - 1
-            # One payload, issued before this step's computation: this step's keys (for the
-            # receiver's next step) and the partial sums of the previous step's block (the
-            # block the receiver holds now).
-            parts = (() if last else kv) + (() if finished is None else finished)
-            received = send(pack(parts), axis_name, n) if parts else None
+            # One payload, issued before this step's computation: this step's keys as they
+            # came (for the receiver's next step) and the partial sums of the previous step's
+            # block (the block the receiver holds now). The sums tie the transfer to the
+            # previous step (see _after); the first one, with keys only, to nothing.
+            parts = ([] if last else [kv_words]) + ([] if finished is None else [pack(finished)])
+            received = send(jnp.concatenate(parts), axis_name, n) if parts else None
             dq, contribution = _run_step(plan.steps[index], axis_name, branch, kv, dq)
             if finished is not None:  # the previous devices' share of the block held now
-                incoming = unpack(received[-sum(map(_word_count, sum_likes)):], sum_likes)
+                incoming = unpack(received[kv_count if not last else 0:], sum_likes)
                 contribution = jax.tree.map(jnp.add, incoming, contribution)
             finished = contribution
             if not last:
-                kv = unpack(received, kv_likes)
+                kv_words = received[:kv_count]
+                kv = unpack(kv_words, kv_likes)
         # The partial sums of the last block go home (device r - (steps - 1) -> shift back)
         # while the device computes its own block.
         home = unpack(send(pack(finished), axis_name, n, shift=-(steps - 1)), sum_likes)
