@@ -84,6 +84,8 @@ def dense_kernels_module(real_kernels) -> types.ModuleType:
     module.attention_fwd = dense_attention_fwd
     module.attention_bwd = dense_attention_bwd
     module.attention_kernel_unsupported = lambda q, k, v: None
+    module.based_kernel_unsupported = lambda *arrays: "the dense stand-in has no Based kernel"
+    module.based_decode_unsupported = lambda *arrays: "the dense stand-in has no Based kernel"
     for name in dir(real_kernels):  # its constants (importing it needs no extension)
         if name.isupper():
             setattr(module, name, getattr(real_kernels, name))
