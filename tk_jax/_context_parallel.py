@@ -239,14 +239,19 @@ def _backward_blocks(attend_bwd: BlockBackward, saved, blocks, kv, dq):
     q, o, lse, do, dlse = saved
     k, v = kv
     gk, gv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
+    unwritten = np.ones(k.shape[1], bool)  # key rows no block has written yet: no add needed
     for b in blocks:
         rows, keys = slice(b.q_start, b.q_stop), slice(b.k_start, b.k_stop)
         dq_b, dk_b, dv_b = attend_bwd(
             q[:, rows], k[:, keys], v[:, keys], o[:, rows], lse[..., rows], do[:, rows],
             None if dlse is None else dlse[..., rows], b.window_left, b.window_right)
         dq = replace_rows(dq, rows, dq[:, rows] + dq_b.astype(jnp.float32), axis=1)
-        gk = replace_rows(gk, keys, gk[:, keys] + dk_b.astype(jnp.float32), axis=1)
-        gv = replace_rows(gv, keys, gv[:, keys] + dv_b.astype(jnp.float32), axis=1)
+        fresh = unwritten[keys].all()
+        unwritten[keys] = False
+        gk = replace_rows(gk, keys, dk_b.astype(jnp.float32) if fresh else
+                          gk[:, keys] + dk_b.astype(jnp.float32), axis=1)
+        gv = replace_rows(gv, keys, dv_b.astype(jnp.float32) if fresh else
+                          gv[:, keys] + dv_b.astype(jnp.float32), axis=1)
     return dq, (gk, gv)
 
 
