@@ -14,7 +14,15 @@ the one-device numbers are measured, and the report says so):
                 fwd+bwd on N devices, against flash_attention over the whole sequence on one
                 device; plus the pieces it is made of, each timed alone (one ring step's
                 attention on one device, one ring transfer), to estimate how much of the
-                communication the ring hides behind its computation.
+                communication the ring hides behind its computation. Each N-device program
+                is timed as compiled by default and with XLA's latency-hiding scheduler
+                (the compile option xla_gpu_enable_latency_hiding_scheduler).
+  4. sequence   flash_attention fwd+bwd (causal) on a sequence-sharded input under jit (the
+                user's call unchanged: context parallelism from the partitioning rule), at the
+                ring's lengths; and with few KV heads (GQA, Hkv=1) at the first length, with
+                K/V passed around the ring and gathered (TK_JAX_CONTEXT_PARALLEL forced).
+
+Parts can be chosen with --contenders (attention,lm,ring,sequence; default all).
 
 Every measurement goes through bench.run_one (median of timed repeats after warm-up, with
 block_until_ready), so a failure (OOM, a kernel that cannot run) is recorded in the table and
@@ -38,17 +46,27 @@ from bench.attention import AttentionConfig, attention_flops
 from bench.timing import JaxClock, Runner, fwd_bwd
 
 SUITE = "scale"
-ATTENTION, LM, RING = "attention", "lm", "ring"
+ATTENTION, LM, RING, SEQUENCE = "attention", "lm", "ring", "sequence"
+PARTS = (ATTENTION, LM, RING, SEQUENCE)
 
 # Names of the measurements (the "name" field of each result's config).
 SHARDED_ATTENTION = "flash_attention, batch-sharded jit"
 LM_STEP = "BasedLM train step, data-parallel jit"
 FLASH_WHOLE = "flash_attention, whole sequence"
 RING_ATTENTION = "ring_attention, sequence-sharded"
+RING_ATTENTION_LHS = "ring_attention, sequence-sharded, latency-hiding scheduler"
 STEP_DIAGONAL = "ring step alone: diagonal block"
 STEP_OFF_DIAGONAL = "ring step alone: off-diagonal block"
 SEND_KV = "ring transfer alone: K,V (bf16)"
 SEND_DKV = "ring transfer alone: dK,dV (f32)"
+SEQUENCE_SHARDED = "flash_attention, sequence-sharded jit"
+SEQUENCE_SHARDED_LHS = "flash_attention, sequence-sharded jit, latency-hiding scheduler"
+FLASH_WHOLE_GQA = "flash_attention, whole sequence, GQA"
+SEQUENCE_GQA = "flash_attention, sequence-sharded jit, GQA"
+
+# The compile option that turns on XLA's latency-hiding scheduler for one program (the same as
+# XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true for all of them).
+LHS_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 COLLECTIVES = re.compile(r"\b(all-gather|all-to-all|all-reduce|collective-permute|"
                          r"reduce-scatter)(-start)?\b")
@@ -79,6 +97,7 @@ class Sizes:
     ring_batch: int = 1
     ring_heads: int = 8
     ring_d: int = 128
+    ring_gqa_kv_heads: int = 1   # 4. the GQA point of the sequence-sharded path
 
 
 FULL = Sizes()
@@ -115,9 +134,10 @@ def ring_step_blocks(t: int, n: int) -> list[RingBlock]:
 
 def ring_transfers(n: int) -> tuple[int, int]:
     """(K,V sends, dK,dV sends) per device in one fwd+bwd of ring attention: the forward and
-    the backward ring each pass K,V on n-1 times; the backward passes dK,dV on n times (the
-    last hop brings them home)."""
-    return 2 * (n - 1), n
+    the backward ring each pass K,V on n-1 times; the backward passes the dK,dV partial sums
+    on n-1 times (n-2 hops with the next block's K,V in one payload, then one hop home).
+    Timed alone as separate payloads: a combined payload moves the sum of their bytes."""
+    return 2 * (n - 1), n - 1
 
 
 def hidden_comm(ring_ms: float, compute_ms: float, comm_ms: float) -> dict:
@@ -173,13 +193,15 @@ def _random_on_mesh(shapes, mesh, specs, *, seed: int, dtype: str = "bfloat16") 
     return tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(arrays, specs))
 
 
-def _compile(fn, args, extra: dict, **jit_kwargs):
-    """jit(fn) compiled for `args`; the collectives of the compiled program go into extra.
-    A ValueError while tracing is how backend="kernel" declines: reported as unsupported."""
+def _compile(fn, args, extra: dict, compiler_options=None, **jit_kwargs):
+    """jit(fn) compiled for `args` (with XLA `compiler_options`, e.g. LHS_OPTIONS); the
+    collectives of the compiled program go into extra. A ValueError while tracing is how
+    backend="kernel" declines: reported as unsupported."""
     import jax
 
     try:
-        compiled = jax.jit(fn, **jit_kwargs).lower(*args).compile()
+        compiled = jax.jit(fn, **jit_kwargs).lower(*args).compile(
+            compiler_options=compiler_options)
     except ValueError as err:
         raise Unsupported(str(err)) from None
     try:
@@ -203,7 +225,7 @@ def _runner(call: Callable[[int], object], devices) -> Runner:
 
 
 def prepare_flash(extra: dict, *, devices, batch, tq, tk, heads, d, causal, spec_axis, backend,
-                  seed=0) -> Runner:
+                  kv_heads=None, seed=0) -> Runner:
     """flash_attention fwd+bwd on [batch, tq|tk, heads, d], split over `devices` along
     `spec_axis` ("batch", or None for whole arrays on one device)."""
     import tk_jax
@@ -213,14 +235,15 @@ def prepare_flash(extra: dict, *, devices, batch, tq, tk, heads, d, causal, spec
         raise Skipped(f"batch {batch} is not divisible by {len(devices)} devices")
     mesh = _mesh(devices, "data")
     spec = P("data") if spec_axis == "batch" else P()
-    q_shape, kv_shape = (batch, tq, heads, d), (batch, tk, heads, d)
+    q_shape, kv_shape = (batch, tq, heads, d), (batch, tk, kv_heads or heads, d)
     args = _random_on_mesh([q_shape, kv_shape, kv_shape, q_shape], mesh, [spec] * 4, seed=seed)
     attend = functools.partial(tk_jax.flash_attention, causal=causal, backend=backend)
     compiled = _compile(fwd_bwd(attend), args, extra)
     return _runner(lambda i: compiled(*args), devices)
 
 
-def prepare_ring(extra: dict, *, devices, t, sizes: Sizes, backend, seed=0) -> Runner:
+def prepare_ring(extra: dict, *, devices, t, sizes: Sizes, backend, compiler_options=None,
+                 seed=0) -> Runner:
     """Causal load-balanced ring_attention fwd+bwd, the sequence split over `devices`. The
     inputs are random, so they count as already being in the load-balanced layout."""
     import jax
@@ -239,14 +262,56 @@ def prepare_ring(extra: dict, *, devices, t, sizes: Sizes, backend, seed=0) -> R
     attend = functools.partial(tk_jax.ring_attention, axis_name="seq", causal=True,
                                load_balanced=True, backend=backend)
     ring = jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
-    compiled = _compile(fwd_bwd(ring), args, extra)
+    compiled = _compile(fwd_bwd(ring), args, extra, compiler_options)
+    return _runner(lambda i: compiled(*args), devices)
+
+
+def prepare_sequence_sharded(extra: dict, *, devices, t, heads, kv_heads, sizes: Sizes,
+                             backend, exchange=None, compiler_options=None, seed=0) -> Runner:
+    """flash_attention fwd+bwd (causal) on q, k, v split contiguously along the sequence over
+    `devices` (NamedSharding, plain jit: the user's call unchanged). `exchange` forces how K/V
+    reach the queries ("ring" / "all_gather"; None: the library's choice)."""
+    import os
+
+    import tk_jax
+    from jax.sharding import PartitionSpec as P
+    from tk_jax import _context_parallel
+
+    n = len(devices)
+    if n < 2:
+        raise Skipped("a sequence split needs at least 2 devices")
+    if t % (2 * n):
+        raise Skipped(f"T={t} is not divisible by 2 x {n} devices")
+    mesh = _mesh(devices, "seq")
+    spec = P(None, "seq")
+    q_shape = (sizes.ring_batch, t, heads, sizes.ring_d)
+    kv_shape = (sizes.ring_batch, t, kv_heads, sizes.ring_d)
+    args = _random_on_mesh([q_shape, kv_shape, kv_shape, q_shape], mesh, [spec] * 4, seed=seed)
+    attend = functools.partial(tk_jax.flash_attention, causal=True, backend=backend)
+    plan = _context_parallel.plan_for(dict(window_left=-1, window_right=0), q_shape, kv_shape,
+                                      kv_shape, n, True)
+    saved = os.environ.get(_context_parallel.EXCHANGE_ENV)
+    if exchange:  # read while compiling (by the partitioning rule)
+        os.environ[_context_parallel.EXCHANGE_ENV] = exchange
+        plan = _context_parallel.plan_for(dict(window_left=-1, window_right=0), q_shape,
+                                          kv_shape, kv_shape, n, True)
+    try:
+        compiled = _compile(fwd_bwd(attend), args, extra, compiler_options)
+    finally:
+        if saved is None:
+            os.environ.pop(_context_parallel.EXCHANGE_ENV, None)
+        else:
+            os.environ[_context_parallel.EXCHANGE_ENV] = saved
+    if backend != "reference":  # the reference is split by XLA, without the rule
+        extra["plan"] = f"{plan.exchange}, {plan.layout}"
     return _runner(lambda i: compiled(*args), devices)
 
 
 def prepare_ring_transfer(extra: dict, *, devices, t, sizes: Sizes, dtype: str,
                           seed=0) -> Runner:
     """One ring hop alone: every device sends its (t/n)-position pair of K,V-shaped blocks in
-    `dtype` to the next device (lax.ppermute, as ring attention does)."""
+    `dtype` to the next device, as one payload of 32-bit words (lax.ppermute, as ring
+    attention does)."""
     import jax
     from jax import lax
     from jax.sharding import PartitionSpec as P
@@ -256,13 +321,17 @@ def prepare_ring_transfer(extra: dict, *, devices, t, sizes: Sizes, dtype: str,
         raise Skipped("a ring transfer needs at least 2 devices")
     if t % n:
         raise Skipped(f"T={t} is not divisible by {n} devices")
+    import jax.numpy as jnp
+
     mesh = _mesh(devices, "seq")
-    spec = P(None, "seq")
-    shape = (sizes.ring_batch, t, sizes.ring_heads, sizes.ring_d)
-    args = _random_on_mesh([shape] * 2, mesh, [spec] * 2, seed=seed, dtype=dtype)
+    block_bytes = 2 * sizes.ring_batch * (t // n) * sizes.ring_heads * sizes.ring_d * \
+        jnp.dtype(dtype).itemsize
+    # The payload as 32-bit words (float32 here: the same bytes as the ring's uint32 payload).
+    args = _random_on_mesh([(n * (block_bytes // 4),)], mesh, [P("seq")], seed=seed,
+                           dtype="float32")
     perm = [(i, (i + 1) % n) for i in range(n)]
-    send = jax.shard_map(lambda a, b: lax.ppermute((a, b), "seq", perm), mesh=mesh,
-                              in_specs=(spec, spec), out_specs=(spec, spec))
+    send = jax.shard_map(lambda a: lax.ppermute(a, "seq", perm), mesh=mesh,
+                         in_specs=P("seq"), out_specs=P("seq"))
     compiled = _compile(send, args, extra)
     return _runner(lambda i: compiled(*args), devices)
 
@@ -361,10 +430,10 @@ class Recorder:
 
 
 def measure_all(rec: Recorder, devices, sizes: Sizes, *, backend: str, lm_backend: str,
-                ring_t) -> None:
+                ring_t, parts=PARTS) -> None:
     n = len(devices)
     # 1. Batch-sharded attention.
-    for count in device_counts(n):
+    for count in device_counts(n) if ATTENTION in parts else ():
         config = _config(ATTENTION, SHARDED_ATTENTION, count, batch=sizes.attn_batch,
                          heads=sizes.attn_heads, t=sizes.attn_t, d=sizes.attn_d, causal=True)
         rec.measure(config, functools.partial(
@@ -373,34 +442,56 @@ def measure_all(rec: Recorder, devices, sizes: Sizes, *, backend: str, lm_backen
             spec_axis="batch", backend=backend))
     # 2. Data-parallel BasedLM training step: on N devices both the same global batch (strong
     # scaling) and N times it (the same batch per device, as data-parallel training runs).
-    for count in device_counts(n):
+    for count in device_counts(n) if LM in parts else ():
         for batch in lm_batches(sizes.lm_batch, count):
             config = _config(LM, LM_STEP, count, batch=batch, seq=sizes.lm_seq,
                              d_model=sizes.lm_d_model, layers="-".join(sizes.lm_layers),
                              backend=lm_backend)
             rec.measure(config, functools.partial(prepare_lm_step, devices=devices[:count],
                                                   sizes=sizes, backend=lm_backend, batch=batch))
-    # 3. Ring attention, flash_attention on one device, and the ring's pieces alone.
-    for t in ring_t:
+    # 3. Ring attention, flash_attention on one device, and the ring's pieces alone; 4. the
+    # sequence-sharded flash_attention against the same one-device baseline.
+    for t in ring_t if RING in parts or SEQUENCE in parts else ():
         flash_on_one = functools.partial(prepare_flash, devices=devices[:1],
-                                         batch=sizes.ring_batch, heads=sizes.ring_heads,
-                                         d=sizes.ring_d, spec_axis=None, backend=backend)
-        rec.measure(_config(RING, FLASH_WHOLE, 1, t=t),
-                    functools.partial(flash_on_one, tq=t, tk=t, causal=True))
+                                         batch=sizes.ring_batch, d=sizes.ring_d,
+                                         spec_axis=None, backend=backend)
+        rec.measure(_config(RING, FLASH_WHOLE, 1, t=t), functools.partial(
+            flash_on_one, tq=t, tk=t, heads=sizes.ring_heads, causal=True))
         if n < 2:
             rec.skip(_config(RING, RING_ATTENTION, n, t=t),
                      "only 1 device visible: ring attention needs at least 2")
             continue
-        rec.measure(_config(RING, RING_ATTENTION, n, t=t), functools.partial(
-            prepare_ring, devices=devices, t=t, sizes=sizes, backend=backend))
-        for block in ring_step_blocks(t, n):
-            rec.measure(_config(RING, block.name, 1, t=t, ring_devices=n, tq=block.tq,
-                                tk=block.tk, causal=block.causal),
-                        functools.partial(flash_on_one, tq=block.tq, tk=block.tk,
-                                          causal=block.causal))
-        for name, dtype in ((SEND_KV, "bfloat16"), (SEND_DKV, "float32")):
-            rec.measure(_config(RING, name, n, t=t), functools.partial(
-                prepare_ring_transfer, devices=devices, t=t, sizes=sizes, dtype=dtype))
+        if RING in parts:
+            for name, options in ((RING_ATTENTION, None), (RING_ATTENTION_LHS, LHS_OPTIONS)):
+                rec.measure(_config(RING, name, n, t=t), functools.partial(
+                    prepare_ring, devices=devices, t=t, sizes=sizes, backend=backend,
+                    compiler_options=options))
+            for block in ring_step_blocks(t, n):
+                rec.measure(_config(RING, block.name, 1, t=t, ring_devices=n, tq=block.tq,
+                                    tk=block.tk, causal=block.causal),
+                            functools.partial(flash_on_one, tq=block.tq, tk=block.tk,
+                                              heads=sizes.ring_heads, causal=block.causal))
+            for name, dtype in ((SEND_KV, "bfloat16"), (SEND_DKV, "float32")):
+                rec.measure(_config(RING, name, n, t=t), functools.partial(
+                    prepare_ring_transfer, devices=devices, t=t, sizes=sizes, dtype=dtype))
+        if SEQUENCE in parts:
+            sharded = functools.partial(prepare_sequence_sharded, devices=devices, t=t,
+                                        sizes=sizes, backend=backend)
+            for name, options in ((SEQUENCE_SHARDED, None), (SEQUENCE_SHARDED_LHS, LHS_OPTIONS)):
+                rec.measure(_config(SEQUENCE, name, n, t=t), functools.partial(
+                    sharded, heads=sizes.ring_heads, kv_heads=sizes.ring_heads,
+                    compiler_options=options))
+            if t == ring_t[0]:  # few KV heads: the ring against the all-gather of K/V
+                kv_heads = sizes.ring_gqa_kv_heads
+                rec.measure(_config(SEQUENCE, FLASH_WHOLE_GQA, 1, t=t, kv_heads=kv_heads),
+                            functools.partial(flash_on_one, tq=t, tk=t, heads=sizes.ring_heads,
+                                              kv_heads=kv_heads, causal=True))
+                for exchange in ("ring", "all_gather"):
+                    rec.measure(
+                        _config(SEQUENCE, SEQUENCE_GQA, n, t=t, kv_heads=kv_heads,
+                                exchange=exchange),
+                        functools.partial(sharded, heads=sizes.ring_heads, kv_heads=kv_heads,
+                                          exchange=exchange, compiler_options=LHS_OPTIONS))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,7 +527,7 @@ def _collectives_cell(result: dict | None) -> str:
     return "none" if found == [] else (", ".join(found) if isinstance(found, list) else str(found))
 
 
-def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
+def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t, parts=PARTS) -> str:
     """Markdown: one table per part, how each number is computed, and notes for failures."""
     notes = report.Notes()
 
@@ -452,11 +543,16 @@ def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
                 return r
         return None
 
-    def ms_cell(value, parts):  # a failed measurement explains a missing number
-        failed = [r for r in parts if r is not None and r["status"] != OK]
+    def ms_cell(value, measured):  # a failed measurement explains a missing number
+        failed = [r for r in measured if r is not None and r["status"] != OK]
         return note(failed[0]) if value is None and failed else _fmt(value)
 
     sections = []
+
+    def add(part, text):
+        if part in parts:
+            sections.append(text)
+
     if n <= 1:
         sections.append("**Only 1 device visible: N=1 only** (no multi-device numbers).")
 
@@ -471,7 +567,7 @@ def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
         rows.append([str(count), str(sizes.attn_batch), str(sizes.attn_batch // count),
                      ms_cell(ms, [r]), _fmt(_tflops(flops, ms, count)), _fmt(speedup, "x"),
                      _fmt(speedup and 100 * speedup / count, "%"), _collectives_cell(r)])
-    sections.append(
+    add(ATTENTION,
         f"### 1. Batch-sharded attention: flash_attention fwd+bwd, causal, D={sizes.attn_d}, "
         f"T={sizes.attn_t}, global batch {sizes.attn_batch} x {sizes.attn_heads} heads\n\n"
         + report.markdown_table(["devices", "global batch", "batch per device", "time (ms)",
@@ -497,7 +593,7 @@ def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
                          _fmt(per_s / base_per_s if per_s and base_per_s else None, "x"),
                          _collectives_cell(r), _fmt(loss)])
     backend = (base_r or {}).get("config", {}).get("backend", "?")
-    sections.append(
+    add(LM,
         f"### 2. Data-parallel BasedLM training step (layers {'-'.join(sizes.lm_layers)}, "
         f"d_model {sizes.lm_d_model}, seq {sizes.lm_seq}, vocab {sizes.lm_vocab}, bf16 "
         f"activations, adamw, backend={backend!r})\n\n"
@@ -512,44 +608,96 @@ def scale_report(results: list[dict], n: int, sizes: Sizes, ring_t) -> str:
           "collective expected).")
 
     # 3. Ring attention, and the estimate from its pieces timed alone.
-    rows = []
+    rows, step_rows = [], []
     for t in ring_t:
-        flash_r, ring_r = find(RING, FLASH_WHOLE, 1, t=t), find(RING, RING_ATTENTION, n, t=t)
-        flash_ms, ring_ms = _ok_ms(flash_r), _ok_ms(ring_r)
-        flops = _causal_fwd_bwd_flops(t, sizes.ring_d, sizes.ring_batch, sizes.ring_heads)
+        flash_r = find(RING, FLASH_WHOLE, 1, t=t)
+        flash_ms = _ok_ms(flash_r)
         steps = [(b.count, find(RING, b.name, 1, t=t)) for b in ring_step_blocks(t, max(n, 2))]
         sends = [(count, find(RING, name, n, t=t))
                  for count, name in zip(ring_transfers(max(n, 2)), (SEND_KV, SEND_DKV))]
         compute, comm = _weighted_ms(steps), _weighted_ms(sends)
-        estimate = (hidden_comm(ring_ms, compute, comm)
-                    if None not in (ring_ms, compute, comm) else {})
-        fraction = estimate.get("hidden_fraction")
-        rows.append([
-            report.short_count(t), ms_cell(flash_ms, [flash_r]), ms_cell(ring_ms, [ring_r]),
-            _fmt(flash_ms / ring_ms if flash_ms and ring_ms else None, "x"),
-            _fmt(_tflops(flops, ring_ms, n)), _fmt(_tflops(flops, flash_ms)),
-            ms_cell(compute, [r for _, r in steps]), _fmt(estimate.get("overhead_ms")),
-            ms_cell(comm, [r for _, r in sends]),
-            "-" if fraction is None else f"{100 * fraction:.0f}%"])
-    sections.append(
+        row = [report.short_count(t), ms_cell(flash_ms, [flash_r])]
+        for name in (RING_ATTENTION, RING_ATTENTION_LHS):
+            ring_r = find(RING, name, n, t=t)
+            ring_ms = _ok_ms(ring_r)
+            estimate = (hidden_comm(ring_ms, compute, comm)
+                        if None not in (ring_ms, compute, comm) else {})
+            fraction = estimate.get("hidden_fraction")
+            row += [ms_cell(ring_ms, [ring_r]),
+                    _fmt(flash_ms / ring_ms if flash_ms and ring_ms else None, "x"),
+                    _fmt(estimate.get("overhead_ms")),
+                    "-" if fraction is None else f"{100 * fraction:.0f}%"]
+        rows.append(row + [ms_cell(compute, [r for _, r in steps]),
+                           ms_cell(comm, [r for _, r in sends])])
+        step_rows.append([report.short_count(t)] + [
+            ms_cell(_ok_ms(r), [r]) for _, r in steps + sends])
+    block_names = [f"{b.name.split(': ')[-1]} x{b.count} (ms)"
+                   for b in ring_step_blocks(max(ring_t), max(n, 2))]
+    send_names = [f"{name.split(': ')[-1]} x{count} (ms)"
+                  for count, name in zip(ring_transfers(max(n, 2)), (SEND_KV, SEND_DKV))]
+    add(RING,
         f"### 3. Ring attention on {n} device(s) vs flash_attention on 1: fwd+bwd, causal, "
         f"load-balanced, D={sizes.ring_d}, H={sizes.ring_heads}, B={sizes.ring_batch}\n\n"
         + report.markdown_table(
-            ["T", "flash 1 dev (ms)", f"ring {n} dev (ms)", "speedup", "ring TFLOP/s per dev",
-             "flash TFLOP/s", "sum of steps (ms)", "overhead (ms)", "comm alone (ms)",
-             "comm hidden"], rows)
-        + "\n\nspeedup = flash_attention on 1 device / ring on N (ideal: N). TFLOP/s count the "
-          "causal fwd+bwd FLOPs of the whole sequence (per device for the ring).\n\n"
-          "How the last four columns are computed:\n"
+            ["T", "flash 1 dev (ms)", f"ring {n} dev (ms)", "speedup", "overhead (ms)",
+             "comm hidden", f"ring {n} dev, LHS (ms)", "speedup, LHS", "overhead, LHS (ms)",
+             "comm hidden, LHS", "sum of steps (ms)", "comm alone (ms)"], rows)
+        + "\n\nPer step, each piece timed alone:\n\n"
+        + report.markdown_table(["T"] + block_names + send_names, step_rows)
+        + "\n\nspeedup = flash_attention on 1 device / ring on N (ideal: N). \"LHS\": the same "
+          "program compiled with XLA's latency-hiding scheduler (compile option "
+          "xla_gpu_enable_latency_hiding_scheduler=True).\n\n"
+          "How the estimate is computed:\n"
           "- sum of steps = t(diagonal block: causal, T/N x T/N) + (N-1) x t(off-diagonal "
           "block: unmasked, T/N queries x T/2N keys), each timed alone as flash_attention "
           "fwd+bwd on one device: the attention work one device does in the ring.\n"
           "- overhead = ring time - sum of steps: exposed communication plus the merges and "
           "bookkeeping of the ring.\n"
-          "- comm alone = 2(N-1) x t(send K,V bf16) + N x t(send dK,dV f32), each one "
-          "lax.ppermute of one device's block around the ring, timed alone.\n"
+          "- comm alone = 2(N-1) x t(send K,V bf16) + (N-1) x t(send dK,dV f32), each one "
+          "lax.ppermute of one device's block (as one payload) around the ring, timed alone "
+          "(the ring sends the dK,dV sums of N-2 hops in one payload with the next K,V).\n"
           "- comm hidden = (comm alone - max(overhead, 0)) / comm alone, clipped to [0, 100%]: "
           "a lower bound on the share of communication overlapped with computation.")
+
+    # 4. The sequence-sharded flash_attention.
+    rows = []
+    for t in ring_t:
+        flash_r = find(RING, FLASH_WHOLE, 1, t=t)
+        flash_ms = _ok_ms(flash_r)
+        row = [report.short_count(t), str(sizes.ring_heads), ms_cell(flash_ms, [flash_r])]
+        plan = "-"
+        for name in (SEQUENCE_SHARDED, SEQUENCE_SHARDED_LHS):
+            r = find(SEQUENCE, name, n, t=t)
+            ms = _ok_ms(r)
+            row += [ms_cell(ms, [r]), _fmt(flash_ms / ms if flash_ms and ms else None, "x")]
+            if ms:
+                plan = r["metrics"].get("plan", plan)
+        rows.append(row + [plan, _collectives_cell(find(SEQUENCE, SEQUENCE_SHARDED, n, t=t))])
+        gqa_flash = find(SEQUENCE, FLASH_WHOLE_GQA, 1, t=t)
+        gqa_ms = _ok_ms(gqa_flash)
+        for exchange in ("ring", "all_gather"):
+            r = find(SEQUENCE, SEQUENCE_GQA, n, t=t, exchange=exchange)
+            if r is None:
+                continue
+            ms = _ok_ms(r)
+            rows.append([report.short_count(t),
+                         f"{sizes.ring_heads} (KV {sizes.ring_gqa_kv_heads})",
+                         ms_cell(gqa_ms, [gqa_flash]), "-", "-", ms_cell(ms, [r]),
+                         _fmt(gqa_ms / ms if gqa_ms and ms else None, "x"),
+                         f"{exchange} (forced)", _collectives_cell(r)])
+    add(SEQUENCE,
+        f"### 4. flash_attention on a sequence-sharded input (plain jit, NamedSharding over T) "
+        f"on {n} device(s) vs 1: fwd+bwd, causal, D={sizes.ring_d}, B={sizes.ring_batch}\n\n"
+        + report.markdown_table(
+            ["T", "heads", "flash 1 dev (ms)", f"sharded {n} dev (ms)", "speedup",
+             f"sharded {n} dev, LHS (ms)", "speedup, LHS", "plan (K/V exchange, layout)",
+             "collectives"], rows)
+        + "\n\nThe user's call is unchanged (flash_attention under jit on arrays sharded over "
+          "the sequence); the partitioning rule runs it context-parallel (no gather of Q). "
+          "Plan: how K/V reach the queries (ring / all_gather) and the layout the work is done "
+          "in (load_balanced: the shards are permuted into it and back, so that causal work "
+          "is even). The GQA rows force the exchange both ways (TK_JAX_CONTEXT_PARALLEL), "
+          "compiled with the latency-hiding scheduler.")
 
     if (text := notes.text()):
         sections.append(text)
@@ -564,6 +712,17 @@ def _sizes_and_lengths(args) -> tuple[Sizes, tuple]:
     return sizes, tuple(args.t) if args.t else sizes.ring_t
 
 
+def chosen_parts(args) -> tuple:
+    """The parts --contenders names (all by default); ValueError for an unknown one."""
+    if not args.contenders:
+        return PARTS
+    unknown = [p for p in args.contenders if p not in PARTS]
+    if unknown:
+        raise ValueError(f"scale: unknown part(s) {unknown} in --contenders; the parts are "
+                         f"{', '.join(PARTS)}")
+    return tuple(p for p in PARTS if p in args.contenders)
+
+
 def describe_plan(args, num_devices: int) -> str:
     sizes, ring_t = _sizes_and_lengths(args)
     counts = " and ".join(str(c) for c in device_counts(num_devices))
@@ -575,7 +734,12 @@ def describe_plan(args, num_devices: int) -> str:
              f"{sizes.lm_seq}, layers {'-'.join(sizes.lm_layers)}, d_model {sizes.lm_d_model}",
              f"  3. ring_attention (causal, load-balanced) vs flash_attention on 1 device: "
              f"T={','.join(map(str, ring_t))} B={sizes.ring_batch} H={sizes.ring_heads} "
-             f"D={sizes.ring_d}; plus its steps and transfers timed alone"]
+             f"D={sizes.ring_d}; default and latency-hiding scheduler; plus its steps and "
+             f"transfers timed alone",
+             f"  4. flash_attention on a sequence-sharded input (jit): the same T and shapes; "
+             f"GQA (KV heads {sizes.ring_gqa_kv_heads}) at T={ring_t[0]}, ring vs all-gather"]
+    parts = chosen_parts(args)
+    lines = lines[:1] + [line for line, part in zip(lines[1:], PARTS) if part in parts]
     if num_devices <= 1:
         lines.append("  only 1 device visible: N=1 only (ring attention is skipped)")
     return "\n".join(lines)
@@ -587,12 +751,12 @@ def run_suite(args, environment: dict, card: str) -> int:
 
     ignored = [flag for flag, given in (("--quick", args.quick), ("--d", args.d),
                                         ("--fwd-only", args.fwd_only),
-                                        ("--contenders", args.contenders),
                                         ("--causal", args.causal != "both"),
                                         ("--merge", args.merge)) if given]
     if ignored:
         print(f"note: {', '.join(ignored)} do(es) not apply to the scale suite (ignored)")
     devices = jax.devices()
+    parts = chosen_parts(args)
     plan = describe_plan(args, len(devices))
     print("tk_jax benchmark")
     print("\n".join(f"  {line}" for line in report.environment_lines(environment)) + "\n")
@@ -610,11 +774,12 @@ def run_suite(args, environment: dict, card: str) -> int:
                 "environment": environment, "devices": len(devices),
                 "device_kinds": sorted({d.device_kind for d in devices}),
                 "sizes": dataclasses.asdict(sizes), "ring_t": list(ring_t),
-                "backend": backend, "results": []}
+                "backend": backend, "parts": list(parts), "results": []}
     rec = Recorder(document, stem + ".json", reps=args.reps, verbose=args.verbose)
     started = time.perf_counter()
     try:
-        measure_all(rec, devices, sizes, backend=backend, lm_backend=lm_backend, ring_t=ring_t)
+        measure_all(rec, devices, sizes, backend=backend, lm_backend=lm_backend, ring_t=ring_t,
+                    parts=parts)
     finally:  # also on Ctrl-C: report what was measured
         document["elapsed_s"] = round(time.perf_counter() - started, 1)
         report.write_json(stem + ".json", document)
@@ -623,7 +788,8 @@ def run_suite(args, environment: dict, card: str) -> int:
             f"attention backend: {backend}; reps per point: {args.reps} (median reported)",
             f"elapsed: {document['elapsed_s']} s"]
         text = "\n".join([f"# scale on {card}", "", "\n".join(f"- {h}" for h in header), "",
-                          scale_report(document["results"], len(devices), sizes, ring_t)])
+                          scale_report(document["results"], len(devices), sizes, ring_t,
+                                       parts)])
         print("\n" + text + "\n")
         report.write_text(stem + ".md", text)
         print(f"wrote {stem}.json, {stem}.md", flush=True)

@@ -352,7 +352,7 @@ def test_scale_suite_ring_pieces_estimate_and_report(capsys):
                                                                   (3, 16, 8, False)]
     # n devices together cover the causal half of the T x T (query, key) pairs.
     assert n * sum(b.count * b.tq * b.tk * (0.5 if b.causal else 1) for b in blocks) == t * t / 2
-    assert scale.ring_transfers(n) == (6, 4)
+    assert scale.ring_transfers(n) == (6, 3)
     assert scale.hidden_comm(ring_ms=10.0, compute_ms=9.0, comm_ms=4.0) == \
         {"overhead_ms": 1.0, "hidden_ms": 3.0, "hidden_fraction": 0.75}
     assert scale.hidden_comm(10.0, 11.0, 4.0)["hidden_fraction"] == 1.0  # no overhead at all
@@ -378,10 +378,12 @@ def test_scale_suite_ring_pieces_estimate_and_report(capsys):
                reason="XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory"),
         result(scale.RING, scale.FLASH_WHOLE, 1, 8.0, t=ring_t),
         result(scale.RING, scale.RING_ATTENTION, 2, 5.0, t=ring_t),
+        result(scale.RING, scale.RING_ATTENTION_LHS, 2, 4.5, t=ring_t),
         result(scale.RING, scale.STEP_DIAGONAL, 1, 1.0, t=ring_t),
         result(scale.RING, scale.STEP_OFF_DIAGONAL, 1, 3.0, t=ring_t),  # x (2-1): sum 4 ms
         result(scale.RING, scale.SEND_KV, 2, 0.5, t=ring_t),            # x 2(2-1)
-        result(scale.RING, scale.SEND_DKV, 2, 1.0, t=ring_t),           # x 2: comm 3 ms
+        result(scale.RING, scale.SEND_DKV, 2, 1.0, t=ring_t),           # x (2-1): comm 2 ms
+        result(scale.SEQUENCE, scale.SEQUENCE_SHARDED, 2, 4.0, t=ring_t),
     ]
     text = scale.scale_report(results, 2, scale.TINY, (ring_t,))
     lines = text.splitlines()
@@ -395,11 +397,20 @@ def test_scale_suite_ring_pieces_estimate_and_report(capsys):
     lm_weak = next(r for r in rows if "OOM [1]" in r)
     assert lm_weak[:3] == ["2", str(2 * lm_batch), str(lm_batch)]
     assert "RESOURCE_EXHAUSTED" in text.split("Notes:")[1]
-    ring_row = next(line for line in lines if line.startswith(f"| {ring_t} "))
-    # speedup 8/5; sum of steps 1 + 3 = 4; overhead 5 - 4 = 1; comm 2*0.5 + 2*1 = 3;
-    # hidden (3 - 1) / 3 = 67%.
+    ring_section = text.split("### 3.")[1].split("### 4.")[0]
+    ring_row = next(line for line in ring_section.splitlines()
+                    if line.startswith(f"| {ring_t} "))
+    # speedup 8/5; sum of steps 1 + 3 = 4; overhead 5 - 4 = 1; comm 2*0.5 + 1*1 = 2;
+    # hidden (2 - 1) / 2 = 50%; with the latency-hiding scheduler 4.5 ms: (2 - 0.5) / 2 = 75%.
     cells = [c.strip() for c in ring_row.strip("|").split("|")]
-    assert cells[3] == "1.60x" and cells[6:] == ["4.00", "1.00", "3.00", "67%"], cells
+    assert cells[2:] == ["5.00", "1.60x", "1.00", "50%", "4.50", "1.78x", "0.500", "75%",
+                         "4.00", "2.00"], cells
+    sequence_row = next(line for line in text.split("### 4.")[1].splitlines()
+                        if line.startswith(f"| {ring_t} "))
+    cells = [c.strip() for c in sequence_row.strip("|").split("|")]
+    assert cells[2:5] == ["8.00", "4.00", "2.00x"], cells
+    only_ring = scale.scale_report(results, 2, scale.TINY, (ring_t,), (scale.RING,))
+    assert "### 3." in only_ring and "### 1." not in only_ring and "### 4." not in only_ring
 
     assert main(["scale", "--tiny", "--dry-run"]) == 0
     assert "ring_attention" in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """Multi-device attention on 8 CPU host devices (tests/conftest.py): sharded jit, shard_map,
-pmap and ring attention, each against unsharded flash_attention (forward and gradients).
+and pmap, each against unsharded flash_attention (forward and gradients). Context parallelism
+(ring attention, a sequence-sharded flash_attention) is tested in test_context_parallel.py.
 
 The CUDA kernels cannot run here, so "kernel path" tests use the kernel_path fixture
 (tests/conftest.py), which swaps tk_jax._kernels for functions that run the reference:
@@ -10,7 +11,6 @@ checks read the compiled program's text for collectives.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -113,28 +113,6 @@ def test_sharded_jit_over_batch_and_heads_has_no_collectives(request, rng, case,
 
 
 @pytest.mark.parametrize("path", ["kernel", "reference"])
-def test_sequence_sharding_is_correct_and_warns_once(request, rng, path):
-    backend = request.getfixturevalue("kernel_path") if path == "kernel" else "reference"
-    mesh = mesh_of((2, 4), ("data", "seq"))
-    q, k, v, do = random_arrays(rng, (2, 16, 2, 8), (2, 16, 2, 8), (2, 16, 2, 8), (2, 16, 2, 8))
-    attend = functools.partial(tk_jax.flash_attention, causal=True, backend=backend)
-    expected = expected_result(attend, q, k, v, do)
-    spec = NamedSharding(mesh, P("data", "seq"))
-    args = [jax.device_put(x, spec) for x in (q, k, v, do)]
-
-    run = jax.jit(output_and_grads(attend))
-    if path == "kernel":
-        with pytest.warns(UserWarning, match="ring_attention"):
-            result = run(*args)
-        with warnings.catch_warnings():  # a second compilation stays quiet
-            warnings.simplefilter("error")
-            jax.jit(functools.partial(attend, softmax_scale=0.5)).lower(*args[:3]).compile()
-    else:
-        result = run(*args)
-    assert_all_close(result, expected)
-
-
-@pytest.mark.parametrize("path", ["kernel", "reference"])
 def test_based_sharded_jit_has_no_collectives(request, rng, path):
     if path == "kernel":
         request.getfixturevalue("kernel_path")
@@ -211,116 +189,6 @@ def test_kernel_calls_inside_shard_map_are_typed_per_device(monkeypatch):
     jaxpr = str(jax.make_jaxpr(grad)(q))
     assert "ffi_call" in jaxpr
     assert "psum" not in jaxpr
-
-
-# ----------------------------------------------------------------------------------------------
-# 3. Ring attention.
-
-
-def ring(mesh, axis, *, causal, load_balanced, backend="reference"):
-    """ring_attention over the sequence axis of full arrays (in the layout they are given)."""
-    attend = functools.partial(tk_jax.ring_attention, axis_name=axis, causal=causal,
-                               load_balanced=load_balanced, backend=backend)
-    spec = P(None, axis)
-    return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
-
-
-def run_in_layout(run, load_balanced, num_devices, *arrays):
-    """run(*arrays) on the arrays put into the load-balanced layout (once, as a data pipeline
-    would, outside the jitted step), with every output put back into the natural order."""
-    if not load_balanced:
-        return run(*arrays)
-    to_layout = functools.partial(tk_jax.to_load_balanced, num_shards=num_devices)
-    result = run(*map(to_layout, arrays))
-    back = functools.partial(tk_jax.from_load_balanced, num_shards=num_devices)
-    return jax.tree.map(back, result)
-
-
-@pytest.mark.parametrize("devices", [4])
-@pytest.mark.parametrize("load_balanced", [False, True])
-@pytest.mark.parametrize("causal", [False, True])
-def test_ring_attention_matches_flash_attention(rng, causal, load_balanced, devices):
-    mesh = mesh_of((devices,), ("seq",))
-    seq = 2 * devices * 3  # three positions per load-balanced chunk
-    q, k, v, do = random_arrays(rng, (2, seq, 4, 16), (2, seq, 2, 16), (2, seq, 2, 16),
-                                (2, seq, 4, 16))
-    expected = expected_result(functools.partial(tk_jax.flash_attention, causal=causal),
-                               q, k, v, do)
-    attend = ring(mesh, "seq", causal=causal, load_balanced=load_balanced)
-    compiled = jax.jit(output_and_grads(attend)).lower(q, k, v, do).compile()
-    # K/V blocks only pass around the ring: no gather, no reduction. Causal skipping is a real
-    # branch (an XLA conditional), not a computation whose result is masked away.
-    assert collectives(compiled.as_text()) == {"collective-permute"}
-    assert ("conditional" in compiled.as_text()) == causal
-    assert_all_close(run_in_layout(compiled, load_balanced, devices, q, k, v, do), expected)
-
-
-def test_ring_attention_eight_devices_bf16_kernel_path(kernel_path, rng):
-    mesh = mesh_of((8,), ("seq",))
-    q, k, v, do = random_arrays(rng, (1, 32, 2, 16), (1, 32, 1, 16), (1, 32, 1, 16),
-                                (1, 32, 2, 16), dtype=jnp.bfloat16)
-    expected = expected_result(functools.partial(tk_jax.flash_attention, causal=True),
-                               q, k, v, do)
-    attend = ring(mesh, "seq", causal=True, load_balanced=True, backend=kernel_path)
-    result = run_in_layout(jax.jit(output_and_grads(attend)), True, 8, q, k, v, do)
-    assert all(g.dtype == jnp.bfloat16 for g in result[1])
-    assert_all_close(result, expected, tol=2e-2)
-
-
-def test_ring_attention_inside_pmap(rng):
-    q, k, v, do = random_arrays(rng, (1, 16, 2, 8), (1, 16, 2, 8), (1, 16, 2, 8), (1, 16, 2, 8))
-    expected = expected_result(functools.partial(tk_jax.flash_attention, causal=True),
-                               q, k, v, do)
-
-    def split(x):  # [1, 16, H, D] -> [4 devices, 1, 4, H, D], load-balanced
-        x = tk_jax.to_load_balanced(x, 4)
-        return jnp.moveaxis(x.reshape(1, 4, 4, *x.shape[2:]), 1, 0)
-
-    def join(x):
-        return tk_jax.from_load_balanced(jnp.moveaxis(x, 0, 1).reshape(1, 16, *x.shape[3:]), 4)
-
-    attend = functools.partial(tk_jax.ring_attention, axis_name="i", causal=True,
-                               backend="reference")
-    o, grads = jax.pmap(output_and_grads(attend), axis_name="i")(*map(split, (q, k, v, do)))
-    assert_all_close((join(o), tuple(map(join, grads))), expected)
-
-
-def test_load_balanced_layout():
-    n = 4
-    x = jnp.arange(2 * n * 3)[None, :, None, None]  # 3 positions per chunk
-    balanced = tk_jax.to_load_balanced(x, n)
-    per_device = np.asarray(balanced).reshape(n, 2, 3)
-    for i in range(n):  # device i holds chunks i and 2n-1-i
-        np.testing.assert_array_equal(per_device[i, 0], np.arange(3) + 3 * i)
-        np.testing.assert_array_equal(per_device[i, 1], np.arange(3) + 3 * (2 * n - 1 - i))
-    np.testing.assert_array_equal(tk_jax.from_load_balanced(balanced, n), x)
-    y = jnp.arange(40).reshape(5, 8)
-    np.testing.assert_array_equal(
-        tk_jax.from_load_balanced(tk_jax.to_load_balanced(y, 2, axis=1), 2, axis=1), y)
-    with pytest.raises(ValueError, match="multiple"):
-        tk_jax.to_load_balanced(jnp.zeros((1, 10, 1, 1)), 4)
-
-
-def test_ring_attention_errors():
-    q = jnp.zeros((1, 6, 2, 8))
-    with pytest.raises(ValueError, match="axis_name='seq'.*shard_map"):
-        tk_jax.ring_attention(q, q, q, axis_name="seq")
-    mesh = mesh_of((2,), ("seq",))
-
-    def call(q, k, **kwargs):  # traced only: the checks run while tracing
-        f = functools.partial(tk_jax.ring_attention, axis_name="seq", **kwargs)
-        return jax.eval_shape(jax.shard_map(f, mesh=mesh, in_specs=P(None, "seq"),
-                                            out_specs=P(None, "seq")), q, k, k)
-
-    with pytest.raises(ValueError, match="^ring_attention: .*must be even"):
-        call(jnp.zeros((1, 6, 2, 8)), jnp.zeros((1, 6, 2, 8)), causal=True)
-    call(jnp.zeros((1, 6, 2, 8)), jnp.zeros((1, 6, 2, 8)), causal=True, load_balanced=False)
-    with pytest.raises(ValueError, match="^ring_attention: q and k must hold the same part"):
-        call(jnp.zeros((1, 8, 2, 8)), jnp.zeros((1, 4, 2, 8)))
-    with pytest.raises(ValueError, match="^ring_attention: .*heads"):
-        call(jnp.zeros((1, 8, 3, 8)), jnp.zeros((1, 8, 2, 8)))
-    with pytest.raises(TypeError, match="^ring_attention: causal"):
-        call(q, q, causal=1)
 
 
 def test_based_decode_step_sharded_jit_has_no_collectives(kernel_path, rng):

@@ -5,8 +5,10 @@ runs the kernel on its own (batch, head) shard, with no collective.
 kernel, the backward, ...). It is built on `jax.experimental.custom_partitioning` with a Shardy
 sharding rule: under plain `jit` the shardings of the inputs are only known to the compiler (not
 while tracing), and custom_partitioning is the hook that lets the compiler ask us how to split
-the call. Any other sharded axis (the sequence, head_dim) is gathered first, with a one-time
-warning: splitting the sequence needs a different algorithm, `tk_jax.ring_attention`.
+the call. The attention calls also take a sequence split: the rule then hands the per-device
+program to tk_jax/_context_parallel.py (context parallelism: K/V around a ring or gathered, no
+gather of Q). Any other sharded axis (head_dim; the sequence of the Based calls) is gathered
+first, with a one-time warning.
 Inside `shard_map` or `pmap` the call already sees local shards and the rule is not used;
 `on_local_shards` calls a kernel there directly.
 
@@ -81,7 +83,7 @@ def _parse_layouts(text: str) -> tuple[tuple[str, ...], ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def shard_over_batch_and_heads(fn, operands: str, results: str):
+def shard_over_batch_and_heads(fn, operands: str, results: str, sequence: str | None = None):
     """Wrap `fn(*arrays, **static) -> tuple of arrays` with a partitioning rule.
 
     `operands` and `results` are comma-separated layouts, one per array, e.g.
@@ -91,15 +93,21 @@ def shard_over_batch_and_heads(fn, operands: str, results: str):
     local (batch, head) shard. It also works eagerly, on one device, inside shard_map / pmap
     (where JAX calls fn on the local shards directly, without the rule), and under vmap
     (vmapped axes are folded into the batch).
+
+    sequence: "forward" or "backward" for the attention kernels (the layouts of
+    ATTENTION_FWD_LAYOUT / ATTENTION_BWD*_LAYOUT): a split of the query sequence (tq) then runs
+    context-parallel (tk_jax/_context_parallel.py) instead of being gathered.
     """
-    return _BatchHeadPartitioned(fn, _parse_layouts(operands), _parse_layouts(results))
+    return _BatchHeadPartitioned(fn, _parse_layouts(operands), _parse_layouts(results),
+                                 sequence)
 
 
 class _BatchHeadPartitioned:
     """See shard_over_batch_and_heads. One instance per (fn, layouts)."""
 
-    def __init__(self, fn, operand_dims, result_dims):
+    def __init__(self, fn, operand_dims, result_dims, sequence=None):
         self.fn = fn
+        self.sequence = sequence
         self.operand_dims = operand_dims
         self.result_dims = result_dims
         if Q_HEADS not in operand_dims[0]:
@@ -141,13 +149,20 @@ class _BatchHeadPartitioned:
     # -- the partitioning callbacks (they run inside XLA's partitioner: keep them simple) ----
 
     def _infer_result_shardings(self, static, mesh, arg_shapes, result_shape):
-        plan = _SplitPlan.from_operands(mesh, arg_shapes, self.operand_dims)
+        plan = _SplitPlan.from_operands(mesh, arg_shapes, self.operand_dims, self.sequence)
         return tuple(plan.sharding(dims) for dims in self.result_dims)
 
     def _partition(self, static, mesh, arg_shapes, result_shape):
-        plan = _SplitPlan.from_operands(mesh, arg_shapes, self.operand_dims)
+        plan = _SplitPlan.from_operands(mesh, arg_shapes, self.operand_dims, self.sequence)
         arg_shardings = tuple(plan.sharding(dims) for dims in self.operand_dims)
         result_shardings = tuple(plan.sharding(dims) for dims in self.result_dims)
+
+        if plan.sequence_axes:  # the hook of context parallelism
+            from tk_jax import _context_parallel
+            per_device = _context_parallel.sequence_sharded_program(
+                self.sequence, self.fn, dict(static), mesh, plan.sequence_axes,
+                plan.kv_sequence_split, [a.shape for a in arg_shapes])
+            return mesh, per_device, result_shardings, arg_shardings
 
         def per_device(*arrays):
             return plan.run(self.fn, dict(static), arrays, self.operand_dims, self.result_dims)
@@ -201,16 +216,21 @@ class _SplitPlan:
     """How one call is split: the mesh axes of the batch and of the query heads, and whether
     the kv heads follow the query heads ("split") or stay whole on each device ("pick")."""
 
-    def __init__(self, mesh, batch_axes, head_axes, kv_mode, heads_q, heads_kv):
+    def __init__(self, mesh, batch_axes, head_axes, kv_mode, heads_q, heads_kv,
+                 sequence_axes=(), kv_sequence_split=False):
         self.mesh = mesh
         self.batch_axes = batch_axes
         self.head_axes = head_axes
         self.kv_mode = kv_mode
         self.heads_q = heads_q
         self.heads_kv = heads_kv
+        # Context parallelism: the mesh axes of the query sequence (tq), and whether the key
+        # sequence (tk) is split over them too (else K/V are whole on every device).
+        self.sequence_axes = sequence_axes
+        self.kv_sequence_split = kv_sequence_split
 
     @classmethod
-    def from_operands(cls, mesh, arg_shapes, operand_dims):
+    def from_operands(cls, mesh, arg_shapes, operand_dims, sequence=None):
         q, q_dims = arg_shapes[0], operand_dims[0]
         spec = _padded_spec(q.sharding, len(q.shape))
         sizes = {name: size for dims, a in zip(operand_dims, arg_shapes)
@@ -231,29 +251,40 @@ class _SplitPlan:
         heads_q = sizes[Q_HEADS]
         heads_kv = sizes.get(KV_HEADS, heads_q)
         kv_mode = "split" if heads_kv % _mesh_size(mesh, head_axes) == 0 else "pick"
+        sequence_axes, kv_sequence_split = (), False
+        if sequence is not None and kv_mode == "split":
+            sequence_axes, kv_sequence_split = _sequence_split(mesh, arg_shapes, operand_dims,
+                                                               sizes)
 
-        # Anything sharded besides batch and heads is gathered: say so, once.
+        # Anything else sharded besides batch and heads is gathered: say so, once.
         for dims, a in zip(operand_dims, arg_shapes):
             for name, entry in zip(dims, _padded_spec(a.sharding, len(a.shape))):
                 if entry is None or name in SPLITTABLE:
                     continue
+                if sequence_axes and name in ("tq", "tk"):
+                    continue
                 if name in SEQUENCE_DIMS:
                     _warn_once("sequence", (
-                        "tk_jax: an attention input is sharded along the sequence axis; the "
-                        "kernel call gathers the whole sequence on every device (correct but "
-                        "memory-hungry). For sequence parallelism in softmax attention call "
-                        "tk_jax.ring_attention inside shard_map instead."))
+                        "tk_jax: an input is sharded along the sequence axis in a way the "
+                        "kernel call cannot split (the keys but not the queries, a split that "
+                        "does not divide the sequence, or kv heads picked per device); it "
+                        "gathers the whole sequence on every device (correct but "
+                        "memory-hungry). Split the queries' sequence evenly for context "
+                        "parallelism."))
                 else:
                     _warn_once(f"dim-{name}", (
                         f"tk_jax: an attention input is sharded along its {name!r} dimension; "
                         "it is gathered before the attention call"))
-        return cls(mesh, batch_axes, head_axes, kv_mode, heads_q, heads_kv)
+        return cls(mesh, batch_axes, head_axes, kv_mode, heads_q, heads_kv, sequence_axes,
+                   kv_sequence_split)
 
     def _split_of(self, name):
         if name == BATCH:
             return self.batch_axes
         if name == Q_HEADS or (name == KV_HEADS and self.kv_mode == "split"):
             return self.head_axes
+        if name == "tq" or (name == "tk" and self.kv_sequence_split):
+            return self.sequence_axes
         return ()
 
     def sharding(self, dims) -> NamedSharding:
@@ -286,6 +317,21 @@ class _SplitPlan:
                 out = lax.psum(total, self.head_axes).astype(out.dtype)
             outs.append(out)
         return tuple(outs)
+
+
+def _sequence_split(mesh, arg_shapes, operand_dims, sizes):
+    """(mesh axes of the query sequence, whether K/V are split over them too) for context
+    parallelism, or ((), False) when q's sequence is not split (evenly). K/V follow the queries'
+    split if their sequence is split at all (over any axes), else they stay whole."""
+    spec = dict(zip(operand_dims[0], _padded_spec(arg_shapes[0].sharding,
+                                                  len(arg_shapes[0].shape))))
+    axes = _axes(spec.get("tq"))
+    if not axes or sizes["tq"] % _mesh_size(mesh, axes):
+        return (), False
+    k_spec = dict(zip(operand_dims[1], _padded_spec(arg_shapes[1].sharding,
+                                                    len(arg_shapes[1].shape))))
+    kv_split = bool(_axes(k_spec.get("tk"))) and sizes["tk"] % _mesh_size(mesh, axes) == 0
+    return axes, kv_split
 
 
 def _mesh_size(mesh, axes) -> int:
@@ -328,8 +374,11 @@ def partitioned_attention_fwd(fn, *, mask_names: tuple[str, ...] = ()):
     the batch/head rule; called as wrapper(q, k, v, *mask_arrays, **static), the masks named
     by mask_names (see ATTENTION_MASK_LAYOUTS), in that order."""
     mask_names = tuple(mask_names)
+    # Context parallelism (a split query sequence) knows no mask arrays yet: with them, a
+    # split sequence is gathered.
     return shard_over_batch_and_heads(arrays_as_keywords(fn, mask_names),
-                                      *_with_masks(ATTENTION_FWD_LAYOUT, mask_names))
+                                      *_with_masks(ATTENTION_FWD_LAYOUT, mask_names),
+                                      sequence=None if mask_names else "forward")
 
 
 def partitioned_based_fwd(fn):
@@ -354,7 +403,8 @@ def partitioned_attention_bwd(fn, *, with_dlse: bool, mask_names: tuple[str, ...
     layout = ATTENTION_BWD_WITH_DLSE_LAYOUT if with_dlse else ATTENTION_BWD_LAYOUT
     mask_names = tuple(mask_names)
     return shard_over_batch_and_heads(arrays_as_keywords(fn, mask_names),
-                                      *_with_masks(layout, mask_names))
+                                      *_with_masks(layout, mask_names),
+                                      sequence=None if mask_names else "backward")
 
 
 # ----------------------------------------------------------------------------------------------

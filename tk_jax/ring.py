@@ -18,36 +18,37 @@ from jax import lax
 
 from tk_jax._checks import (check_attention_qkv, check_backend_name, check_bool, is_int,
                             resolve_softmax_scale)
+from tk_jax._context_parallel import ring_backward, ring_forward
+from tk_jax._ring_plan import CONTIGUOUS, LOAD_BALANCED, ring_plan
 from tk_jax.attention import (attention_bwd_impl, attention_fwd_impl, choose_backend,
                               fold_batch_dims)
 
-# Device r holds the queries and keys of its part of the sequence. In step s = 0..n-1 it holds
-# the K/V block that started on device src = (r - s) mod n, computes its queries against it and
-# merges the result; meanwhile the block moves on to device r + 1. Which (query, key) pairs of a
-# step are visible under a causal mask follows from the two devices' chunk positions alone:
+# Device r holds the queries and keys of its part of the sequence. In step s it holds the K/V
+# block that started on device (r - s) mod n and computes its queries against it, merging the
+# result by logsumexp, while the block moves on to device r + 1 (tk_jax/_context_parallel.py
+# runs the steps; tk_jax/_ring_plan.py decides statically which pairs of chunks a step
+# computes on which device). Under a causal mask:
 #
 #   contiguous layout (device r holds chunk r):
-#       src == r: the diagonal block (causal mask)  src < r: fully visible  src > r: invisible
+#       step 0: the diagonal block (causal)   src < r: fully visible   src > r: invisible
 #   load-balanced layout (device r holds chunks r and 2n-1-r, as halves of its block):
-#       src == r: causal mask on the local block (the chunk order is kept)
+#       step 0: causal on the local block (the chunk order is kept)
 #       src <  r: all local queries see the first half of the keys (chunk src), not the second
 #       src >  r: only the second half of the queries (chunk 2n-1-r) sees keys, all of them
 #   so with load balancing every device does the same work in every step; without it, device
 #   n-1 works in every step while device 0 idles after the first.
 #
-# Invisible work is skipped with lax.switch (the branch is chosen per device at run time), not
-# computed and discarded. Steps are numbered with src < r as "earlier" and src > r as "later".
-# The kernels are called on the local blocks directly (on_local_shards), not through the
-# partitioning rule.
+# Invisible work is skipped (a switch on the device index picks each device's blocks), and a
+# window also ends the ring early: the keys travel only as far as some query still sees them.
 
 RING_OP = "ring_attention"
 AxisName = Hashable  # a mesh axis name, or a tuple of them
-_DIAGONAL, _EARLIER, _LATER = 0, 1, 2
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisName,
                    causal: bool = False, softmax_scale: float | None = None,
-                   backend: str = "auto", load_balanced: bool = True) -> jax.Array:
+                   window_size: tuple[int, int] = (-1, -1), backend: str = "auto",
+                   load_balanced: bool = True) -> jax.Array:
     """Sequence-parallel softmax attention; call it inside `shard_map` (or `pmap`).
 
     The sequence axis of q, k and v is split over the mesh axis (or tuple of axes) `axis_name`;
@@ -59,38 +60,59 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
       q: [..., T, Hq, D] local queries (T = the global length / number of devices).
       k, v: [..., T, Hkv, D] local keys and values (Hq % Hkv == 0), same dtype as q.
       axis_name: the shard_map / pmap axis name(s) the sequence is split over.
-      causal: causal self-attention over the global sequence.
+      causal: causal self-attention over the global sequence (window_right = 0).
       softmax_scale: a positive Python number; None means 1 / sqrt(D).
+      window_size: (window_left, window_right) over global positions, as in flash_attention:
+        query i sees key j iff i - window_left <= j <= i + window_right (-1: unbounded). Steps
+        whose blocks share no visible pair are skipped; with a window the ring stops as soon
+        as no query sees the passing keys.
       backend: "auto" | "kernel" | "reference", as for flash_attention.
       load_balanced: the sequence is in the load-balanced layout (see to_load_balanced), so
-        that causal attention costs every device the same. Only matters when causal (T must
-        then be even); without causal the layout does not change the result.
+        that causal attention costs every device the same. Only matters with a mask (causal or
+        a window; T must then be even); without one the layout does not change the result.
+        A window much shorter than T balances itself: pass load_balanced=False (the natural
+        order) and the ring stops after the few devices the window reaches.
 
     Returns:
       o [..., T, Hq, D] in q's dtype, this device's part of the output, in the input's layout.
     """
     check_attention_qkv(q, k, v, RING_OP)
     scale = resolve_softmax_scale(softmax_scale, head_dim=q.shape[-1], op=RING_OP)
+    window_left, window_right = _check_window_size(window_size)
     check_bool(causal, "causal", RING_OP)
     check_bool(load_balanced, "load_balanced", RING_OP)
     check_backend_name(backend, RING_OP)
+    if causal:
+        window_right = 0
     if q.shape[-3] != k.shape[-3]:
         raise ValueError(
             f"{RING_OP}: q and k must hold the same part of one sequence (self-attention): got "
             f"{q.shape[-3]} query and {k.shape[-3]} key positions on this device (axis -3)")
     num_devices = _ring_size(axis_name)
-    balanced = bool(causal and load_balanced and num_devices > 1)
-    if balanced and q.shape[-3] % 2:
+    masked = window_left >= 0 or window_right >= 0
+    layout = LOAD_BALANCED if load_balanced and masked and num_devices > 1 else CONTIGUOUS
+    if layout == LOAD_BALANCED and q.shape[-3] % 2:
         raise ValueError(
-            f"{RING_OP}: with causal=True and load_balanced=True each device holds two equal "
-            f"chunks, so its sequence length must be even; got {q.shape[-3]} (axis -3 of q). "
-            f"Pad the sequence or pass load_balanced=False")
+            f"{RING_OP}: with a mask (causal or window_size) and load_balanced=True each "
+            f"device holds two equal chunks, so its sequence length must be even; got "
+            f"{q.shape[-3]} (axis -3 of q). Pad the sequence or pass load_balanced=False")
 
     batch_shape = q.shape[:-3]
     q4, k4, v4 = (fold_batch_dims(x) for x in (q, k, v))
     resolved = choose_backend(q4, k4, v4, backend, op=RING_OP)
-    o = _ring(q4, k4, v4, axis_name, scale, bool(causal), balanced, resolved)
+    length = q4.shape[1]
+    plan = ring_plan(num_devices, layout, length, length, 0, window_left, window_right)
+    o = _ring(q4, k4, v4, axis_name, scale, plan, resolved)
     return o.reshape(batch_shape + o.shape[1:])
+
+
+def _check_window_size(window_size) -> tuple[int, int]:
+    accepted = "a pair (window_left, window_right) of ints, each -1 (unbounded) or >= 0"
+    if not isinstance(window_size, (tuple, list)) or not all(is_int(w) for w in window_size):
+        raise TypeError(f"{RING_OP}: window_size must be {accepted}, got {window_size!r}")
+    if len(window_size) != 2 or any(w < -1 for w in window_size):
+        raise ValueError(f"{RING_OP}: window_size must be {accepted}, got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
 
 
 def _ring_size(axis_name: AxisName) -> int:
@@ -102,149 +124,36 @@ def _ring_size(axis_name: AxisName) -> int:
             f"inside shard_map or pmap over that axis ({err})") from None
 
 
-def _send_to_next(x, axis_name, num_devices):
-    """Every device passes x (arrays of one dtype) to the next device on the ring."""
-    perm = [(i, (i + 1) % num_devices) for i in range(num_devices)]
-    return lax.ppermute(x, axis_name, perm)
+def _block_calls(scale, backend):
+    """The kernels (or the reference) on one block of local shards, called directly (not
+    through the partitioning rule: the blocks are local already)."""
+    def attend(q, k, v, window_left, window_right):
+        return attention_fwd_impl(q, k, v, scale=scale, window_left=window_left,
+                                  window_right=window_right, backend=backend, local=True)
+
+    def attend_bwd(q, k, v, o, lse, do, dlse, window_left, window_right):
+        return attention_bwd_impl(q, k, v, o, lse, do, scale=scale, window_left=window_left,
+                                  window_right=window_right, backend=backend, dlse=dlse,
+                                  local=True)
+    return attend, attend_bwd
 
 
-def _ring_loop(step, carry, kv, axis_name, num_devices):
-    """carry = step(s, kv_s, carry) for s = 0..n-1, kv_s being the K/V block that started on
-    device (r - s) mod n. The next block is sent before step s computes, so that the transfer
-    can overlap the computation; the last step sends nothing."""
-    def body(state, s):
-        kv, carry = state
-        next_kv = _send_to_next(kv, axis_name, num_devices)
-        return (next_kv, step(s, kv, carry)), None
-
-    (kv, carry), _ = lax.scan(body, (kv, carry), jnp.arange(num_devices - 1))
-    return step(num_devices - 1, kv, carry)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ring(q, k, v, axis_name, scale, plan, backend):
+    return _ring_forward_rule(q, k, v, axis_name, scale, plan, backend)[0]
 
 
-def _block_kind(s, me):
-    """_DIAGONAL for step 0 (the local block), then _EARLIER while the visiting block comes
-    from a device before this one (src = me - s >= 0), else _LATER."""
-    return jnp.where(s == 0, _DIAGONAL, jnp.where(me >= s, _EARLIER, _LATER))
-
-
-def _merge(o_acc, lse_acc, o, lse):
-    """Combine two partial softmax results over disjoint key sets by their logsumexp.
-    o [B, T, H, D], lse [B, H, T]; a side that saw no key has lse = -inf and weight 0."""
-    lse_new = jnp.logaddexp(lse_acc, lse)  # -inf when both are -inf
-    ref = jnp.where(jnp.isneginf(lse_new), 0.0, lse_new)
-
-    def weight(part_lse):  # [B, H, T] -> [B, T, H, 1]
-        return jnp.swapaxes(jnp.exp(part_lse - ref), 1, 2)[..., None]
-
-    return weight(lse_acc) * o_acc + weight(lse) * o.astype(jnp.float32), lse_new
-
-
-def _replace_rows(x, rows, new, *, axis):
-    """x with the positions `rows` along `axis` (a slice: all, or one contiguous part) replaced
-    by `new`. Built from slices and a concatenation rather than x.at[rows].set(new): on GPU
-    (jax 0.11.2) the scatter that .at[] becomes inside the ring's manual shard_map region
-    crashed XLA's partitioner."""
-    start, stop, _ = rows.indices(x.shape[axis])
-    if (start, stop) == (0, x.shape[axis]):
-        return new
-    parts = (lax.slice_in_dim(x, 0, start, axis=axis), new,
-             lax.slice_in_dim(x, stop, x.shape[axis], axis=axis))
-    return jnp.concatenate([p for p in parts if p.shape[axis]], axis=axis)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _ring(q, k, v, axis_name, scale, causal, balanced, backend):
-    return _ring_forward(q, k, v, axis_name, scale, causal, balanced, backend)[0]
-
-
-def _ring_forward(q, k, v, axis_name, scale, causal, balanced, backend):
-    """(o [B, T, Hq, D] in q's dtype, lse [B, Hq, T] float32) of the local queries."""
-    num_devices = _ring_size(axis_name)
-    half = q.shape[1] // 2
-
-    def attend(acc, q_rows, k, v, window_right):
-        """Merge attention(q[:, q_rows], k, v) into the accumulator (o, lse)."""
-        o_acc, lse_acc = acc
-        o, lse = attention_fwd_impl(q[:, q_rows], k, v, scale=scale, window_left=-1,
-                                    window_right=window_right, backend=backend, local=True)
-        o_new, lse_new = _merge(o_acc[:, q_rows], lse_acc[..., q_rows], o, lse)
-        return (_replace_rows(o_acc, q_rows, o_new, axis=1),
-                _replace_rows(lse_acc, q_rows, lse_new, axis=2))
-
-    everything, first, second = slice(None), slice(None, half), slice(half, None)
-    if not causal:
-        def step(s, kv, acc):
-            return attend(acc, everything, *kv, window_right=-1)
-    else:
-        if balanced:
-            earlier = lambda acc, k, v: attend(acc, everything, k[:, first], v[:, first], -1)
-            later = lambda acc, k, v: attend(acc, second, k, v, -1)
-        else:
-            earlier = lambda acc, k, v: attend(acc, everything, k, v, -1)
-            later = lambda acc, k, v: acc  # invisible: skipped
-        diagonal = lambda acc, k, v: attend(acc, everything, k, v, 0)
-        me = lax.axis_index(axis_name)
-
-        def step(s, kv, acc):
-            return lax.switch(_block_kind(s, me), (diagonal, earlier, later), acc, *kv)
-
-    # zeros_like / full_like keep q's device-varying type inside shard_map.
-    acc = (jnp.zeros_like(q, jnp.float32),
-           jnp.full_like(q[..., 0], -jnp.inf, jnp.float32).swapaxes(1, 2))
-    o, lse = _ring_loop(step, acc, (k, v), axis_name, num_devices)
-    return o.astype(q.dtype), lse
-
-
-def _ring_forward_rule(q, k, v, axis_name, scale, causal, balanced, backend):
-    o, lse = _ring_forward(q, k, v, axis_name, scale, causal, balanced, backend)
+def _ring_forward_rule(q, k, v, axis_name, scale, plan, backend):
+    attend, _ = _block_calls(scale, backend)
+    o, lse = ring_forward(q, k, v, plan=plan, axis_name=axis_name, attend=attend)
     return o, (q, k, v, o, lse)
 
 
-def _ring_backward_rule(axis_name, scale, causal, balanced, backend, residuals, do):
-    """The same ring again: with the global o and lse, attention_bwd_impl on one block gives
-    that block's share of dq, dk, dv. dq stays here; dk and dv travel with their K/V block and
-    take one more hop at the end, which brings them home."""
+def _ring_backward_rule(axis_name, scale, plan, backend, residuals, do):
+    _, attend_bwd = _block_calls(scale, backend)
     q, k, v, o, lse = residuals
-    num_devices = _ring_size(axis_name)
-    half = q.shape[1] // 2
-
-    def attend(grads, q_rows, k_rows, k, v, window_right):
-        dq, dk, dv = grads
-        gq, gk, gv = attention_bwd_impl(
-            q[:, q_rows], k[:, k_rows], v[:, k_rows], o[:, q_rows], lse[..., q_rows],
-            do[:, q_rows], scale=scale, window_left=-1, window_right=window_right,
-            backend=backend, local=True)
-        return (_replace_rows(dq, q_rows, dq[:, q_rows] + gq.astype(jnp.float32), axis=1),
-                _replace_rows(dk, k_rows, dk[:, k_rows] + gk.astype(jnp.float32), axis=1),
-                _replace_rows(dv, k_rows, dv[:, k_rows] + gv.astype(jnp.float32), axis=1))
-
-    everything, first, second = slice(None), slice(None, half), slice(half, None)
-    if not causal:
-        def block(s, grads, k, v):
-            return attend(grads, everything, everything, k, v, -1)
-    else:
-        if balanced:
-            earlier = lambda g, k, v: attend(g, everything, first, k, v, -1)
-            later = lambda g, k, v: attend(g, second, everything, k, v, -1)
-        else:
-            earlier = lambda g, k, v: attend(g, everything, everything, k, v, -1)
-            later = lambda g, k, v: g  # invisible: nothing to add
-        diagonal = lambda g, k, v: attend(g, everything, everything, k, v, 0)
-        me = lax.axis_index(axis_name)
-
-        def block(s, grads, k, v):
-            return lax.switch(_block_kind(s, me), (diagonal, earlier, later), grads, k, v)
-
-    def step(s, kv, carry):
-        dq, dkv = carry
-        dq, dk, dv = block(s, (dq, *dkv), *kv)
-        # dk, dv (float32) move in their own ppermute: one dtype per transfer.
-        return dq, _send_to_next((dk, dv), axis_name, num_devices)
-
-    init = (jnp.zeros_like(q, jnp.float32),
-            (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)))
-    dq, (dk, dv) = _ring_loop(step, init, (k, v), axis_name, num_devices)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return ring_backward(q, k, v, o, lse, do, plan=plan, axis_name=axis_name,
+                         attend_bwd=attend_bwd)
 
 
 _ring.defvjp(_ring_forward_rule, _ring_backward_rule)

@@ -1,0 +1,127 @@
+"""Helpers of the context-parallel tests (tests/test_context_parallel.py and the worker of
+tests/test_multiprocess.py): a dense stand-in for the attention kernels and the float64 oracle.
+
+The stand-in implements the kernels' contract (tk_jax/_kernels.py: attention_fwd returns o and
+lse; attention_bwd takes the global o and lse of the rows and returns dq, dk, dv of the block)
+with the full score matrix in float32: it compiles much faster on CPU than the blockwise
+reference, and is independent of it. Installed in place of tk_jax._kernels, it lets
+flash_attention and ring_attention take exactly the route they take on a GPU.
+"""
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:  # tests/ as a package, or tests/ on sys.path
+    from tests.naive import naive_attention, naive_attention_grads, relative_l2
+except ImportError:
+    from naive import naive_attention, naive_attention_grads, relative_l2
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _visible(tq, tk, window_left, window_right):
+    i = jnp.arange(tq)[:, None] + (tk - tq)
+    j = jnp.arange(tk)[None, :]
+    mask = jnp.ones((tq, tk), bool)
+    if window_left >= 0:
+        mask &= j >= i - window_left
+    if window_right >= 0:
+        mask &= j <= i + window_right
+    return mask
+
+
+def _scores(q, k, scale, window_left, window_right):
+    """Masked scores [B, Hkv, G, Tq, Tk] (float32) and the query heads grouped by kv head."""
+    b, tq, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, tq, hkv, hq // hkv, d)
+    s = scale * jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision=_HIGHEST)
+    return jnp.where(_visible(tq, k.shape[1], window_left, window_right), s, -jnp.inf), qg
+
+
+def _probabilities(s, lse):
+    lse = lse[..., None]
+    return jnp.where(jnp.isneginf(s), 0.0, jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse)))
+
+
+def dense_attention_fwd(q, k, v, *, scale, window_left, window_right, **unused):
+    b, tq, hq, _ = q.shape
+    s, _ = _scores(q, k, scale, window_left, window_right)
+    lse = jax.nn.logsumexp(s, axis=-1)  # -inf for a row that sees nothing
+    o = jnp.einsum("bhgqk,bkhe->bqhge", _probabilities(s, lse), v.astype(jnp.float32),
+                   precision=_HIGHEST)
+    return o.reshape(b, tq, hq, v.shape[-1]).astype(q.dtype), lse.reshape(b, hq, tq)
+
+
+def dense_attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale, window_left, window_right,
+                        **unused):
+    b, tq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    s, qg = _scores(q, k, scale, window_left, window_right)
+    p = _probabilities(s, lse.reshape(b, hkv, g, tq))
+    dog = do.astype(jnp.float32).reshape(b, tq, hkv, g, -1)
+    og = o.astype(jnp.float32).reshape(b, tq, hkv, g, -1)
+    dv = jnp.einsum("bhgqk,bqhge->bkhe", p, dog, precision=_HIGHEST)
+    dp = jnp.einsum("bqhge,bkhe->bhgqk", dog, v.astype(jnp.float32), precision=_HIGHEST)
+    delta = jnp.einsum("bqhge,bqhge->bhgq", dog, og, precision=_HIGHEST)
+    ds = dp - delta[..., None]
+    if dlse is not None:
+        ds = ds + dlse.astype(jnp.float32).reshape(b, hkv, g, tq)[..., None]
+    ds = p * ds
+    dq = scale * jnp.einsum("bhgqk,bkhd->bqhgd", ds, k.astype(jnp.float32), precision=_HIGHEST)
+    dk = scale * jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg, precision=_HIGHEST)
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def dense_kernels_module(real_kernels) -> types.ModuleType:
+    """A stand-in for tk_jax._kernels with the dense attention kernels."""
+    module = types.ModuleType("tk_jax._kernels")
+    module.attention_fwd = dense_attention_fwd
+    module.attention_bwd = dense_attention_bwd
+    module.attention_kernel_unsupported = lambda q, k, v: None
+    module.based_kernel_unsupported = lambda *arrays: "the dense stand-in has no Based kernel"
+    module.based_decode_unsupported = lambda *arrays: "the dense stand-in has no Based kernel"
+    for name in dir(real_kernels):  # its constants (importing it needs no extension)
+        if name.isupper():
+            setattr(module, name, getattr(real_kernels, name))
+    return module
+
+
+def install_dense_kernels() -> None:
+    """Swap tk_jax._kernels for the dense stand-in in every tk_jax module (for a whole
+    process: the multi-process worker; tests use the fixture of test_context_parallel.py)."""
+    import sys
+
+    import tk_jax
+    import tk_jax._backend
+    import tk_jax._kernels
+
+    real = tk_jax._kernels
+    fake = dense_kernels_module(real)
+    tk_jax._backend.kernel_unavailable_reason = lambda: None
+    sys.modules["tk_jax._kernels"] = fake
+    for name, module in list(sys.modules.items()):
+        if name.partition(".")[0] == "tk_jax" and getattr(module, "_kernels", None) is real:
+            module._kernels = fake
+
+
+def oracle(q, k, v, do, *, scale=None, window=(-1, -1), dlse=None):
+    """float64 (o, lse, (dq, dk, dv)) of the loss sum(o * do) [+ sum(lse * dlse)]."""
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    o, lse = naive_attention(q, k, v, scale, *window)
+    grads = naive_attention_grads(q, k, v, do, scale, *window, dlse=dlse)
+    return o, lse, grads
+
+
+def assert_close(actual, expected, what, tol):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    expected = np.asarray(expected, np.float64)
+    finite = np.isfinite(expected)
+    assert np.array_equal(np.isfinite(actual), finite), f"{what}: non-finite values differ"
+    err = relative_l2(np.where(finite, actual, 0), np.where(finite, expected, 0))
+    assert err < tol, f"{what}: relative L2 error {err:.3g} >= {tol}"

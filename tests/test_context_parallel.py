@@ -1,0 +1,508 @@
+"""Context parallelism on 8 CPU host devices (tests/conftest.py): the static plans, ring
+attention inside shard_map, and flash_attention on a sequence-sharded input under jit, each
+against the float64 oracle of tests/naive.py (forward and gradients), with HLO checks of the
+collectives (no all-gather of Q; the ring only passes blocks on).
+
+Kernel-path tests run the dense stand-in of tests/cp_util.py in place of the CUDA kernels (the
+public functions then take exactly the route they take on a GPU: the partitioning rule, the
+per-device program of tk_jax/_context_parallel.py); a few run the blockwise reference there
+instead (the kernel_path fixture), in bf16.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import tk_jax
+import tk_jax._kernels
+from tk_jax import _context_parallel, _partitioning
+from tk_jax import _ring_plan as plans
+
+try:  # tests/ as a package, or tests/ on sys.path
+    from tests.cp_util import assert_close, dense_kernels_module, oracle
+    from tests.naive import visible_mask
+    from tests.sharding_util import collectives
+except ImportError:
+    from cp_util import assert_close, dense_kernels_module, oracle
+    from naive import visible_mask
+    from sharding_util import collectives
+
+TOL = 1e-5  # float32 against float64
+
+
+@pytest.fixture
+def dense(install_kernels, monkeypatch):
+    """The dense stand-in in place of the kernels; returns the backend name to pass."""
+    install_kernels(dense_kernels_module(tk_jax._kernels))
+    monkeypatch.setattr(_partitioning, "_warned", set())
+    return "kernel"
+
+
+def mesh_of(shape, names):
+    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+
+
+def random_arrays(rng, *shapes, dtype=jnp.float32):
+    return tuple(jnp.asarray(rng.standard_normal(s), dtype) for s in shapes)
+
+
+def window_of(mask):
+    return {"causal": (-1, 0), "full": (-1, -1)}.get(mask, mask)
+
+
+def attention_kwargs(mask):
+    if mask == "causal":
+        return {"causal": True}
+    return {} if mask == "full" else {"window_size": tuple(mask)}
+
+
+def outputs_and_grads(attend, with_lse=False):
+    """fn(q, k, v, do[, dlse]) -> (o[, lse], (dq, dk, dv)) of sum(o * do) [+ sum(lse * dlse)]."""
+    def run(q, k, v, do, dlse=None):
+        def loss(q, k, v):
+            out = attend(q, k, v)
+            o, lse = out if with_lse else (out, None)
+            total = jnp.sum(o.astype(jnp.float32) * do)
+            if with_lse:
+                total += jnp.sum(jnp.where(jnp.isneginf(lse), 0.0, lse) * dlse)
+            return total, out
+        grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out, grads
+    return run
+
+
+def assert_matches_oracle(result, q, k, v, do, *, window, tol=TOL, dlse=None):
+    out, grads = result
+    o_ref, lse_ref, grads_ref = oracle(q, k, v, do, window=window, dlse=dlse)
+    if dlse is not None:
+        o, lse = out
+        assert_close(lse, lse_ref, "lse", tol)
+    else:
+        o = out
+    assert_close(o, o_ref, "o", tol)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_close(g, g_ref, name, tol)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Static plans: every visible pair computed exactly once, nothing else.
+
+
+def _positions(layout, device, n, length):
+    pos = np.empty(length, int)
+    for c in plans.layout_chunks(layout, device, n, length):
+        pos[c.local_start:c.local_start + c.length] = c.global_start + np.arange(c.length)
+    return pos
+
+
+def _block_coverage(blocks, q_pos, k_pos, tq, tk):
+    covered = np.zeros((tq, tk), int)
+    for b in blocks:
+        mask = visible_mask(b.q_stop - b.q_start, b.k_stop - b.k_start, b.window_left,
+                            b.window_right)
+        assert mask.sum() == b.pairs and mask.any(axis=1).all() and mask.any(axis=0).all()
+        sub = np.zeros((tq, tk), int)
+        sub[np.ix_(q_pos[b.q_start:b.q_stop], k_pos[b.k_start:b.k_stop])] = mask
+        covered += sub
+    return covered
+
+
+WINDOWS = [(-1, -1), (-1, 0), (0, 0), (1, 0), (3, 0), (2, 1), (5, 4), (-1, 2), (1, -1)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_ring_plans_cover_exactly_the_visible_pairs(n):
+    for layout in (plans.CONTIGUOUS, plans.LOAD_BALANCED):
+        for local in (2, 6):
+            for lk in ((local,) if layout == plans.LOAD_BALANCED else (local, 3)):
+                tq, tk = n * local, n * lk
+                for window in WINDOWS:
+                    want = visible_mask(tq, tk, *window)
+                    plan = plans.ring_plan(n, layout, local, lk, tk - tq, *window)
+                    for r in range(n):
+                        q_pos = _positions(layout, r, n, local)
+                        covered = np.zeros((tq, tk), int)
+                        for s, step in enumerate(plan.steps):
+                            k_pos = _positions(layout, (r - s) % n, n, lk)
+                            covered += _block_coverage(step.blocks_of(r), q_pos, k_pos, tq, tk)
+                        expected = np.zeros((tq, tk), int)
+                        expected[q_pos] = want[q_pos]
+                        assert np.array_equal(covered, expected), (layout, local, lk, window, r)
+
+
+@pytest.mark.parametrize("layout", [plans.CONTIGUOUS, plans.LOAD_BALANCED])
+def test_whole_keys_plans_cover_exactly_the_visible_pairs(layout):
+    n, local = 4, 4
+    for window in WINDOWS:
+        step = plans.whole_keys_plan(n, layout, local, n * local, 0, *window)
+        want = visible_mask(n * local, n * local, *window)
+        for r in range(n):
+            q_pos = _positions(layout, r, n, local)
+            covered = _block_coverage(step.blocks_of(r), q_pos, np.arange(n * local),
+                                      n * local, n * local)
+            expected = np.zeros_like(covered)
+            expected[q_pos] = want[q_pos]
+            assert np.array_equal(covered, expected), (window, r)
+
+
+def test_load_balanced_causal_ring_gives_every_device_the_same_work():
+    n, local = 4, 8
+    balanced = plans.ring_plan(n, plans.LOAD_BALANCED, local, local, 0, -1, 0)
+    for step in balanced.steps:
+        assert len({step.pairs_of(r) for r in range(n)}) == 1
+        assert all(len(blocks) == 1 for blocks in step.branches)  # one call per device and step
+    contiguous = plans.ring_plan(n, plans.CONTIGUOUS, local, local, 0, -1, 0)
+    assert plans.ring_time(balanced) < 0.6 * plans.ring_time(contiguous)
+    # Contiguous: device r has nothing to do once the keys come from after it.
+    assert contiguous.steps[1].blocks_of(0) == ()
+
+
+def test_window_ends_the_ring_early():
+    n, local = 8, 16
+    assert len(plans.ring_plan(n, plans.CONTIGUOUS, local, local, 0, local - 1, 0).steps) == 2
+    assert len(plans.ring_plan(n, plans.CONTIGUOUS, local, local, 0, 2 * local, 0).steps) == 3
+    assert len(plans.ring_plan(n, plans.CONTIGUOUS, local, local, 0, 2 * local + 1, 0).steps) == 4
+    assert len(plans.ring_plan(n, plans.CONTIGUOUS, local, local, 0, 0, 0).steps) == 1
+    assert len(plans.ring_plan(n, plans.CONTIGUOUS, local, local, 0, -1, 0).steps) == n
+
+
+def test_sequence_plan_choices(monkeypatch):
+    def plan(hq, hkv, window=(-1, 0), t=65536, kv_split=True):
+        return _context_parallel.SequencePlan(
+            num_devices=4, tq=t, tk=t, heads_q=hq, heads_kv=hkv, head_dim=128, value_dim=128,
+            window_left=window[0], window_right=window[1], offset=0, kv_split=kv_split)
+
+    mha = plan(8, 8)
+    assert (mha.exchange, mha.layout) == ("ring", "load_balanced")
+    assert plan(32, 1).exchange == "all_gather"        # few KV heads: gather them
+    assert plan(32, 1).layout == "load_balanced"       # only the queries move
+    assert plan(8, 8, window=(1024, 0)).layout == "contiguous"  # a window balances itself
+    assert plan(8, 8, window=(-1, -1)).layout == "contiguous"
+    assert plan(8, 8, kv_split=False).exchange == "whole_kv"
+    monkeypatch.setenv(_context_parallel.EXCHANGE_ENV, "all_gather")
+    assert plan(8, 8).exchange == "all_gather"
+    monkeypatch.setenv(_context_parallel.EXCHANGE_ENV, "bogus")
+    with pytest.raises(ValueError, match="TK_JAX_CONTEXT_PARALLEL"):
+        plan(8, 8)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Moving shards between the contiguous and the load-balanced layout.
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_layout_permutes_match_to_load_balanced(n):
+    mesh = mesh_of((n,), ("seq",))
+    x = jnp.arange(2 * n * 3 * 2, dtype=jnp.float32).reshape(1, 2 * n * 3, 2)
+    spec = P(None, "seq")
+    there = jax.shard_map(functools.partial(_context_parallel.contiguous_to_balanced,
+                                            axis_name="seq", n=n, axis=1),
+                          mesh=mesh, in_specs=spec, out_specs=spec)
+    back = jax.shard_map(functools.partial(_context_parallel.balanced_to_contiguous,
+                                           axis_name="seq", n=n, axis=1),
+                         mesh=mesh, in_specs=spec, out_specs=spec)
+    balanced = jax.jit(there)(x)
+    np.testing.assert_array_equal(balanced, tk_jax.to_load_balanced(x, n, axis=1))
+    np.testing.assert_array_equal(jax.jit(back)(balanced), x)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. ring_attention inside shard_map.
+
+
+def ring(mesh, axis, *, backend, **kwargs):
+    """ring_attention over the sequence axis of full arrays (in the layout they are given)."""
+    attend = functools.partial(tk_jax.ring_attention, axis_name=axis, backend=backend, **kwargs)
+    spec = P(None, axis)
+    return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+
+
+def in_layout(run, load_balanced, n, *arrays):
+    """run(*arrays) on the arrays in the load-balanced layout, outputs back in natural order."""
+    if not load_balanced:
+        return run(*arrays)
+    result = run(*(tk_jax.to_load_balanced(x, n) for x in arrays))
+    return jax.tree.map(lambda x: tk_jax.from_load_balanced(x, n), result)
+
+
+RING_CASES = {  # n, mask, load_balanced, Hq, Hkv, positions per device
+    "causal, balanced, n=4": (4, "causal", True, 4, 2, 6),
+    "causal, contiguous, n=2": (2, "causal", False, 2, 2, 5),
+    "full, n=8, MQA": (8, "full", False, 4, 1, 3),
+    "window, contiguous, n=4": (4, (5, 0), False, 2, 2, 4),
+    "two-sided window, balanced, n=8": (8, (3, 2), True, 2, 1, 4),
+    "causal, balanced, n=8, GQA": (8, "causal", True, 4, 2, 4),
+}
+
+
+@pytest.mark.parametrize("case", list(RING_CASES))
+def test_ring_attention_matches_oracle(dense, rng, case):
+    n, mask, load_balanced, hq, hkv, local = RING_CASES[case]
+    t = n * local
+    q, k, v, do = random_arrays(rng, (2, t, hq, 8), (2, t, hkv, 8), (2, t, hkv, 8),
+                                (2, t, hq, 8))
+    run = outputs_and_grads(ring(mesh_of((n,), ("seq",)), "seq", backend=dense,
+                                 load_balanced=load_balanced, **attention_kwargs(mask)))
+    compiled = jax.jit(run).lower(q, k, v, do).compile()
+    # K/V blocks only pass around the ring: no gather, no reduction.
+    assert collectives(compiled.as_text()) == {"collective-permute"}
+    result = in_layout(compiled, load_balanced, n, q, k, v, do)
+    assert_matches_oracle(result, q, k, v, do, window=window_of(mask))
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+            inner = getattr(sub, "jaxpr", sub)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _sub_jaxprs(eqn):
+            yield from _all_eqns(sub)
+
+
+def _ppermutes(jaxpr) -> int:
+    return sum(e.primitive.name == "ppermute" for e in _all_eqns(jaxpr))
+
+
+def _matmuls(eqn) -> int:
+    """Matmuls an equation runs: 1 for a dot_general; inside a switch, its largest branch;
+    inside any other call, all of them."""
+    if eqn.primitive.name == "dot_general":
+        return 1
+    inner = [sum(_matmuls(e) for e in sub.eqns) for sub in _sub_jaxprs(eqn)]
+    if not inner:
+        return 0
+    return max(inner) if eqn.primitive.name == "cond" else sum(inner)
+
+
+def simulated_time(jaxpr, transfer: float) -> float:
+    """The time a program takes on a device that runs its computations one after the other in
+    program order (a matmul takes 1, all else nothing) and its transfers (ppermute, each
+    `transfer` long) one after the other on a second stream, each as soon as its operands
+    are ready, as XLA issues asynchronous collectives."""
+    ready, compute_free, transfer_free = {}, 0.0, 0.0
+
+    def time_of(x):  # a literal (it has a value) is ready at once
+        return 0.0 if hasattr(x, "val") else ready.get(x, 0.0)
+
+    for eqn in jaxpr.eqns:
+        start = max((time_of(x) for x in eqn.invars), default=0.0)
+        if eqn.primitive.name == "ppermute":
+            end = transfer_free = max(start, transfer_free) + transfer
+        elif (cost := _matmuls(eqn)):
+            end = compute_free = max(start, compute_free) + cost
+        else:
+            end = start
+        for out in eqn.outvars:
+            ready[out] = end
+    return max((time_of(x) for x in jaxpr.outvars), default=0.0)
+
+
+@pytest.mark.parametrize("mask, load_balanced", [("causal", True), ("causal", False),
+                                                 ("full", False)])
+def test_ring_transfers_overlap_the_computation(dense, rng, mask, load_balanced):
+    """Give every transfer a cost below a ring step's computation: the forward must take no
+    longer than with free transfers (each is hidden behind a step), the backward at most one
+    transfer longer (the first block's, which nothing precedes). A ring whose computation
+    waits for a transfer issued after the previous step's computation (e.g. the dK/dV sums
+    as an operand of the step's kernels) fails this. Also: n-1 transfers forward, and a short
+    window ends the ring after one."""
+    n, local = 4, 4
+    q, k, v, do = random_arrays(rng, *[(1, n * local, 2, 8)] * 4, dtype=jnp.bfloat16)
+    attend = ring(mesh_of((n,), ("seq",)), "seq", backend=dense, load_balanced=load_balanced,
+                  **attention_kwargs(mask))
+    jaxpr = jax.make_jaxpr(outputs_and_grads(attend))(q, k, v, do).jaxpr
+    forward, backward = [e.params["jaxpr"] for e in _all_eqns(jaxpr)
+                         if e.primitive.name == "shard_map"]
+    transfer = 1.9  # a step's computation: >= 2 matmuls forward, >= 4 backward
+    assert simulated_time(forward, transfer) == simulated_time(forward, 0.0)
+    assert simulated_time(backward, transfer) <= simulated_time(backward, 0.0) + transfer
+    assert _ppermutes(forward) == n - 1
+
+    windowed = ring(mesh_of((n,), ("seq",)), "seq", backend=dense, window_size=(local - 1, 0),
+                    load_balanced=False)
+    assert _ppermutes(jax.make_jaxpr(windowed)(q, k, v).jaxpr) == 1
+
+
+def test_ring_attention_bf16_on_the_reference_blocks(kernel_path, rng):
+    n = 8
+    q, k, v, do = random_arrays(rng, (1, 32, 2, 16), (1, 32, 1, 16), (1, 32, 1, 16),
+                                (1, 32, 2, 16), dtype=jnp.bfloat16)
+    run = jax.jit(outputs_and_grads(ring(mesh_of((n,), ("seq",)), "seq", backend=kernel_path,
+                                         causal=True)))
+    result = in_layout(run, True, n, q, k, v, do)
+    assert all(g.dtype == jnp.bfloat16 for g in result[1])
+    assert_matches_oracle(result, q, k, v, do, window=(-1, 0), tol=2e-2)
+
+
+def test_ring_attention_inside_pmap(rng):
+    n = 4
+    q, k, v, do = random_arrays(rng, *[(1, 16, 2, 8)] * 4)
+
+    def split(x):  # [1, 16, H, D] -> [4 devices, 1, 4, H, D], load-balanced
+        x = tk_jax.to_load_balanced(x, n)
+        return jnp.moveaxis(x.reshape(1, n, 16 // n, *x.shape[2:]), 1, 0)
+
+    def join(x):
+        return tk_jax.from_load_balanced(jnp.moveaxis(x, 0, 1).reshape(1, 16, *x.shape[3:]), n)
+
+    attend = functools.partial(tk_jax.ring_attention, axis_name="i", causal=True,
+                               backend="reference")
+    o, grads = jax.pmap(outputs_and_grads(attend), axis_name="i")(*map(split, (q, k, v, do)))
+    assert_matches_oracle((join(o), tuple(map(join, grads))), q, k, v, do, window=(-1, 0))
+
+
+def test_load_balanced_layout():
+    n = 4
+    x = jnp.arange(2 * n * 3)[None, :, None, None]  # 3 positions per chunk
+    balanced = tk_jax.to_load_balanced(x, n)
+    per_device = np.asarray(balanced).reshape(n, 2, 3)
+    for i in range(n):  # device i holds chunks i and 2n-1-i
+        np.testing.assert_array_equal(per_device[i, 0], np.arange(3) + 3 * i)
+        np.testing.assert_array_equal(per_device[i, 1], np.arange(3) + 3 * (2 * n - 1 - i))
+    np.testing.assert_array_equal(tk_jax.from_load_balanced(balanced, n), x)
+    y = jnp.arange(40).reshape(5, 8)
+    np.testing.assert_array_equal(
+        tk_jax.from_load_balanced(tk_jax.to_load_balanced(y, 2, axis=1), 2, axis=1), y)
+    with pytest.raises(ValueError, match="multiple"):
+        tk_jax.to_load_balanced(jnp.zeros((1, 10, 1, 1)), 4)
+
+
+def test_ring_attention_errors():
+    q = jnp.zeros((1, 6, 2, 8))
+    with pytest.raises(ValueError, match="axis_name='seq'.*shard_map"):
+        tk_jax.ring_attention(q, q, q, axis_name="seq")
+    mesh = mesh_of((2,), ("seq",))
+
+    def call(q, k, **kwargs):  # traced only: the checks run while tracing
+        f = functools.partial(tk_jax.ring_attention, axis_name="seq", **kwargs)
+        return jax.eval_shape(jax.shard_map(f, mesh=mesh, in_specs=P(None, "seq"),
+                                            out_specs=P(None, "seq")), q, k, k)
+
+    x6, x8 = jnp.zeros((1, 6, 2, 8)), jnp.zeros((1, 8, 2, 8))
+    with pytest.raises(ValueError, match="^ring_attention: .*must be even"):
+        call(x6, x6, causal=True)
+    call(x6, x6, causal=True, load_balanced=False)
+    with pytest.raises(ValueError, match="^ring_attention: .*must be even"):
+        call(x6, x6, window_size=(2, 2))  # a mask: the load-balanced layout by default
+    call(x6, x6, window_size=(2, 2), load_balanced=False)
+    with pytest.raises(ValueError, match="^ring_attention: window_size"):
+        call(x8, x8, window_size=(-2, 0))
+    with pytest.raises(TypeError, match="^ring_attention: window_size"):
+        call(x8, x8, window_size=(1.5, 0))
+    with pytest.raises(ValueError, match="^ring_attention: q and k must hold the same part"):
+        call(x8, jnp.zeros((1, 4, 2, 8)))
+    with pytest.raises(ValueError, match="^ring_attention: .*heads"):
+        call(jnp.zeros((1, 8, 3, 8)), x8)
+    with pytest.raises(TypeError, match="^ring_attention: causal"):
+        call(q, q, causal=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. flash_attention on a sequence-sharded input under jit: context-parallel, no gather of Q.
+
+_RESULT_SHAPE = re.compile(r"= \w+\[([\d,]*)\]\S* (all-gather|reduce-scatter|all-reduce)"
+                           r"(?:-start)?\(")
+
+
+def gathered_head_counts(hlo: str) -> set[int]:
+    """The head counts (axis 2) of every all-gather result in a compiled program."""
+    return {int(m.group(1).split(",")[2]) for m in _RESULT_SHAPE.finditer(hlo)
+            if m.group(2) == "all-gather"}
+
+
+SEQUENCE_CASES = {
+    # mesh shape, mesh axes, spec of q (o, do), spec of k/v, Hq, Hkv, mask, Tq, Tk, exchange
+    "causal, n=4": ((4,), ("seq",), P(None, "seq"), P(None, "seq"), 2, 2, "causal", 16, 16,
+                    None),
+    "causal GQA, n=8": ((8,), ("seq",), P(None, "seq"), P(None, "seq"), 4, 2, "causal", 32, 32,
+                        None),
+    "full, n=2": ((2,), ("seq",), P(None, "seq"), P(None, "seq"), 2, 1, "full", 12, 12, None),
+    "window, n=4": ((4,), ("seq",), P(None, "seq"), P(None, "seq"), 2, 2, (3, 0), 16, 16,
+                    None),
+    "batch x sequence, lse": ((2, 4), ("data", "seq"), P("data", "seq"), P("data", "seq"), 2,
+                              2, "causal", 16, 16, None),
+    "causal MQA, all-gather, n=4": ((4,), ("seq",), P(None, "seq"), P(None, "seq"), 4, 1,
+                                    "causal", 16, 16, "all_gather"),
+    "K/V whole, n=4": ((4,), ("seq",), P(None, "seq"), P(), 2, 1, "causal", 16, 16, None),
+    "Tq != Tk, n=4": ((4,), ("seq",), P(None, "seq"), P(None, "seq"), 2, 2, "causal", 8, 16,
+                      None),
+}
+
+
+@pytest.mark.parametrize("case", list(SEQUENCE_CASES))
+def test_sequence_sharded_flash_attention_matches_oracle(dense, rng, monkeypatch, case):
+    shape, names, q_spec, kv_spec, hq, hkv, mask, tq, tk, exchange = SEQUENCE_CASES[case]
+    if exchange:
+        monkeypatch.setenv(_context_parallel.EXCHANGE_ENV, exchange)
+    with_lse = case.endswith("lse")
+    mesh = mesh_of(shape, names)
+    batch = 2
+    q, k, v, do = random_arrays(rng, (batch, tq, hq, 8), (batch, tk, hkv, 8),
+                                (batch, tk, hkv, 8), (batch, tq, hq, 8))
+    dlse = random_arrays(rng, (batch, hq, tq))[0] if with_lse else None
+    attend = functools.partial(tk_jax.flash_attention, backend=dense, return_lse=with_lse,
+                               **attention_kwargs(mask))
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    args = [put(q, q_spec), put(k, kv_spec), put(v, kv_spec), put(do, q_spec)]
+    if with_lse:
+        args.append(put(dlse, P(q_spec[0], None, "seq")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is gathered: no warning
+        compiled = jax.jit(outputs_and_grads(attend, with_lse)).lower(*args).compile()
+        forward = jax.jit(attend).lower(*args[:3]).compile()
+    hlo, found = compiled.as_text(), collectives(compiled.as_text())
+    assert hq not in gathered_head_counts(hlo) or hq == hkv and not gathered_head_counts(hlo)
+    if kv_spec == P():  # K/V already whole: only the queries move (into the load-balanced
+        # layout and back); dK/dV are summed over the devices backward
+        assert collectives(forward.as_text()) == {"collective-permute"}
+        assert found == {"collective-permute", "all-reduce"}
+    elif exchange == "all_gather":
+        assert gathered_head_counts(hlo) == {hkv}
+        assert found <= {"all-gather", "reduce-scatter", "collective-permute"}
+    else:
+        assert found == {"collective-permute"}
+    out, grads = compiled(*args)
+    o = out[0] if with_lse else out
+    assert o.sharding.is_equivalent_to(NamedSharding(mesh, q_spec), o.ndim)
+    assert_matches_oracle((out, grads), q, k, v, do, window=window_of(mask), dlse=dlse)
+
+
+def test_sequence_sharded_flash_attention_bf16_on_the_reference_blocks(kernel_path, rng):
+    mesh = mesh_of((4,), ("seq",))
+    q, k, v, do = random_arrays(rng, (1, 32, 2, 16), (1, 32, 2, 16), (1, 32, 2, 16),
+                                (1, 32, 2, 16), dtype=jnp.bfloat16)
+    spec = NamedSharding(mesh, P(None, "seq"))
+    args = [jax.device_put(x, spec) for x in (q, k, v, do)]
+    attend = functools.partial(tk_jax.flash_attention, causal=True, backend=kernel_path)
+    compiled = jax.jit(outputs_and_grads(attend)).lower(*args).compile()
+    assert collectives(compiled.as_text()) == {"collective-permute"}
+    result = compiled(*args)
+    assert all(g.dtype == jnp.bfloat16 for g in result[1])
+    assert_matches_oracle(result, q, k, v, do, window=(-1, 0), tol=2e-2)
+
+
+def test_sequence_split_with_kv_heads_picked_per_device_is_gathered_with_a_warning(dense,
+                                                                                    rng):
+    """Context parallelism needs the kv heads split like the query heads; with fewer kv heads
+    than head shards the call falls back to gathering the sequence, and says so."""
+    mesh = mesh_of((2, 4), ("seq", "model"))
+    q, k, v = random_arrays(rng, (1, 8, 8, 8), (1, 8, 2, 8), (1, 8, 2, 8))
+    args = [jax.device_put(q, NamedSharding(mesh, P(None, "seq", "model")))] + [
+        jax.device_put(x, NamedSharding(mesh, P(None, "seq"))) for x in (k, v)]
+    with pytest.warns(UserWarning, match="gathers the whole sequence"):
+        o = jax.jit(functools.partial(tk_jax.flash_attention, causal=True, backend=dense))(*args)
+    o_ref, _, _ = oracle(q, k, v, q, window=(-1, 0))
+    assert_close(o, o_ref, "o", TOL)

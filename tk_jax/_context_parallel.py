@@ -1,0 +1,540 @@
+"""Context-parallel softmax attention, per device: the sequence is split over a mesh axis and
+each device computes its own queries, with the keys and values brought to it either around a
+ring (one block per step, passed on while the current one is computed) or by one all-gather.
+
+Two callers run these functions on local shards, inside a region where the mesh axes are
+bound (so that lax.ppermute, all_gather and axis_index work):
+  - tk_jax.ring_attention, inside the user's shard_map;
+  - flash_attention on a sequence-sharded input under jit: the partitioning rule of
+    tk_jax/_partitioning.py hands its per-device program to sequence_sharded_forward /
+    sequence_sharded_backward below.
+Which blocks a device computes, and with which mask, is planned statically
+(tk_jax/_ring_plan.py); a step that no device has work in is skipped, and devices with
+different work in one step take different branches of a switch on the device index.
+
+Overlap. The ring is unrolled (a Python loop, not a scan), so every transfer is its own pair of
+collective-permute-start/done in one straight-line program: the next block's transfer is
+issued before this block's computation and only the next step's computation waits for it.
+One transfer per step: XLA's latency-hiding scheduler lets one collective-permute at a time
+overlap computation, so K and V travel as one payload (the arrays' bits packed into one
+uint32 vector), and in the backward the same payload also carries the dK/dV partial sums of
+the block the receiver holds now: both are ready when the step starts. The receiver needs the
+K/V part only for its next step and the partial sums only after its own kernels of this step
+(they are added outside the step: a switch whose operands included them would wait for the
+transfer). The device's own block is computed last in the backward, so that the last hop
+(the partial sums going home) overlaps it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable, Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from tk_jax import _ring_plan as plans
+from tk_jax._ring_plan import CONTIGUOUS, LOAD_BALANCED
+
+AxisName = Hashable  # a mesh axis name, or a tuple of them
+# attend(q, k, v, window_left, window_right) -> (o, lse [B, Hq, Tq] f32), on local blocks.
+BlockForward = Callable
+# attend_bwd(q, k, v, o, lse, do, dlse or None, window_left, window_right) -> (dq, dk, dv).
+BlockBackward = Callable
+
+RING, ALL_GATHER, WHOLE_KV = "ring", "all_gather", "whole_kv"
+EXCHANGE_ENV = "TK_JAX_CONTEXT_PARALLEL"  # "ring" | "all_gather" | unset ("auto")
+
+
+# ----------------------------------------------------------------------------------------------
+# Pieces.
+
+
+def send(x, axis_name: AxisName, num_devices: int, shift: int = 1):
+    """Every device passes x (one array: one transfer) to the device `shift` places further on
+    the ring."""
+    perm = [(i, (i + shift) % num_devices) for i in range(num_devices)]
+    return lax.ppermute(x, axis_name, perm)
+
+
+def _to_words(x):
+    """x's bits as a uint32 vector (2-byte types in pairs, padded to an even count)."""
+    flat = x.reshape(-1)
+    size = jnp.dtype(x.dtype).itemsize
+    if size == 4:
+        return lax.bitcast_convert_type(flat, jnp.uint32)
+    if size == 2:
+        if flat.shape[0] % 2:
+            flat = jnp.pad(flat, (0, 1))
+        return lax.bitcast_convert_type(flat.reshape(-1, 2), jnp.uint32)
+    if size == 8:
+        return lax.bitcast_convert_type(flat, jnp.uint32).reshape(-1)
+    raise TypeError(f"cannot pack {x.dtype} into a ring payload")
+
+
+def _from_words(words, like):
+    """Inverse of _to_words, for an array shaped and typed like `like` (a ShapeDtypeStruct)."""
+    size = jnp.dtype(like.dtype).itemsize
+    if size == 4:
+        flat = lax.bitcast_convert_type(words, like.dtype)
+    elif size == 2:
+        flat = lax.bitcast_convert_type(words, like.dtype).reshape(-1)[:int(np.prod(like.shape))]
+    else:
+        flat = lax.bitcast_convert_type(words.reshape(-1, 2), like.dtype)
+    return flat.reshape(like.shape)
+
+
+def _word_count(like) -> int:
+    count = int(np.prod(like.shape)) * jnp.dtype(like.dtype).itemsize
+    return -(-count // 4)
+
+
+def pack(arrays) -> jax.Array:
+    """Arrays of any shapes and types as one uint32 payload (one transfer)."""
+    return jnp.concatenate([_to_words(x) for x in arrays])
+
+
+def unpack(payload, likes) -> tuple:
+    """The arrays shaped and typed like `likes` from a payload made by pack()."""
+    out, start = [], 0
+    for like in likes:
+        stop = start + _word_count(like)
+        out.append(_from_words(payload[start:stop], like))
+        start = stop
+    return tuple(out)
+
+
+def _shape_of(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def merge(o_acc, lse_acc, o, lse):
+    """Combine two partial softmax results over disjoint key sets by their logsumexp.
+    o [B, T, H, D], lse [B, H, T]; a side that saw no key has lse = -inf and weight 0; NaN in
+    either side reaches the result."""
+    lse_new = jnp.logaddexp(lse_acc, lse)  # -inf when both are -inf
+    ref = jnp.where(jnp.isneginf(lse_new), 0.0, lse_new)
+
+    def weight(part_lse):  # [B, H, T] -> [B, T, H, 1]
+        return jnp.swapaxes(jnp.exp(part_lse - ref), 1, 2)[..., None]
+
+    return weight(lse_acc) * o_acc + weight(lse) * o.astype(jnp.float32), lse_new
+
+
+def replace_rows(x, rows: slice, new, *, axis: int):
+    """x with the positions `rows` along `axis` replaced by `new`. Slices and a concatenation
+    rather than x.at[rows].set(new): on GPU (jax 0.11.2) the scatter that .at[] becomes inside a
+    manual shard_map region crashed XLA's partitioner."""
+    start, stop, _ = rows.indices(x.shape[axis])
+    if (start, stop) == (0, x.shape[axis]):
+        return new
+    parts = (lax.slice_in_dim(x, 0, start, axis=axis), new,
+             lax.slice_in_dim(x, stop, x.shape[axis], axis=axis))
+    return jnp.concatenate([p for p in parts if p.shape[axis]], axis=axis)
+
+
+def _run_step(step: plans.Step, axis_name, branch: Callable, *operands):
+    """branch(blocks, *operands) with this device's blocks of the step: called directly when
+    every device has the same blocks, else through lax.switch on the device index (each
+    device runs only its own branch)."""
+    if len(step.branches) == 1:
+        return branch(step.branches[0], *operands)
+    index = jnp.asarray(step.branch_of_device, jnp.int32)[lax.axis_index(axis_name)]
+    return lax.switch(index, [functools.partial(branch, b) for b in step.branches], *operands)
+
+
+def _touched_rows(step: plans.Step, rows: np.ndarray) -> np.ndarray:
+    """`rows` (True: no device has written this output row yet) after the step."""
+    rows = rows.copy()
+    for blocks in step.branches:
+        for b in blocks:
+            rows[b.q_start:b.q_stop] = False
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward.
+
+
+def _empty_forward(q, v):
+    """The forward accumulators before any key: o = 0 (float32), lse = -inf. Built from q
+    (zeros_like / full_like) so that inside shard_map they have q's device-varying type."""
+    b, t, h, _ = q.shape
+    o = jnp.zeros_like(q, jnp.float32, shape=(b, t, h, v.shape[-1]))
+    lse = jnp.full_like(q[..., 0], -jnp.inf, jnp.float32).swapaxes(1, 2)
+    return o, lse
+
+
+def _forward_blocks(attend: BlockForward, unwritten: np.ndarray, blocks, q, kv, acc):
+    """Merge this device's blocks against the keys `kv` into acc = (o f32, lse). Rows that no
+    device has written yet (`unwritten`, static) take the block's result as it is."""
+    k, v = kv
+    o_acc, lse_acc = acc
+    unwritten = unwritten.copy()
+    for b in blocks:
+        rows, keys = slice(b.q_start, b.q_stop), slice(b.k_start, b.k_stop)
+        o, lse = attend(q[:, rows], k[:, keys], v[:, keys], b.window_left, b.window_right)
+        if unwritten[rows].all():
+            o_new, lse_new = o.astype(jnp.float32), lse
+        else:
+            o_new, lse_new = merge(o_acc[:, rows], lse_acc[..., rows], o, lse)
+        unwritten[rows] = False
+        o_acc = replace_rows(o_acc, rows, o_new, axis=1)
+        lse_acc = replace_rows(lse_acc, rows, lse_new, axis=2)
+    return o_acc, lse_acc
+
+
+def _after(payload, result):
+    """(payload, result), with the payload's transfer tied to `result` (the previous step's):
+    XLA then issues the transfer only once that step is done. A chain of transfers that only
+    pass a block on depends on no computation, and a scheduler (XLA's default one) may
+    otherwise run the whole chain back to back before the first step, so that none of the
+    steps overlaps a transfer; tied, transfer s+1 starts after step s-1 and is awaited only
+    by step s+1: it runs during step s."""
+    return lax.optimization_barrier((payload, result))
+
+
+def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: BlockForward):
+    """(o [B, Tq, Hq, Dv] in q's dtype, lse [B, Hq, Tq] float32) of this device's queries; the
+    keys and values go around the ring (one transfer of the (K, V) pair per step after the
+    first, issued before the step's computation)."""
+    acc = _empty_forward(q, v)
+    unwritten = np.ones(q.shape[1], bool)
+    kv, likes = (k, v), (_shape_of(k), _shape_of(v))
+    payload = pack(kv) if len(plan.steps) > 1 else None
+    for index, step in enumerate(plan.steps):
+        last = index == len(plan.steps) - 1
+        if not last:
+            if index:
+                payload, acc = _after(payload, acc)
+            # Issued before this step's computation; the block is passed on as it came.
+            payload = send(payload, axis_name, plan.num_devices)
+        branch = functools.partial(_forward_blocks, attend, unwritten)
+        acc = _run_step(step, axis_name, branch, q, kv, acc)
+        unwritten = _touched_rows(step, unwritten)
+        kv = None if last else unpack(payload, likes)
+    o, lse = acc
+    return o.astype(q.dtype), lse
+
+
+def whole_keys_forward(q, k, v, *, step: plans.Step, axis_name: AxisName,
+                       attend: BlockForward):
+    """Forward with all keys and values on this device (k, v [B, Tk, Hkv, D] in global
+    order), its queries in the layout `step` was planned for."""
+    branch = functools.partial(_forward_blocks, attend, np.ones(q.shape[1], bool))
+    o, lse = _run_step(step, axis_name, branch, q, (k, v), _empty_forward(q, v))
+    return o.astype(q.dtype), lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward. With the global o and lse, the backward of one block gives that block's share of
+# dq, dk and dv (the gradient is a sum over blocks).
+
+
+def _backward_blocks(attend_bwd: BlockBackward, saved, blocks, kv, dq):
+    """This device's blocks against the keys `kv`: dq (float32, local) accumulated, and the
+    block's dk, dv contributions returned as float32 arrays shaped like kv (zero where none)."""
+    q, o, lse, do, dlse = saved
+    k, v = kv
+    gk, gv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
+    unwritten = np.ones(k.shape[1], bool)  # key rows no block has written yet: no add needed
+    for b in blocks:
+        rows, keys = slice(b.q_start, b.q_stop), slice(b.k_start, b.k_stop)
+        dq_b, dk_b, dv_b = attend_bwd(
+            q[:, rows], k[:, keys], v[:, keys], o[:, rows], lse[..., rows], do[:, rows],
+            None if dlse is None else dlse[..., rows], b.window_left, b.window_right)
+        dq = replace_rows(dq, rows, dq[:, rows] + dq_b.astype(jnp.float32), axis=1)
+        fresh = unwritten[keys].all()
+        unwritten[keys] = False
+        gk = replace_rows(gk, keys, dk_b.astype(jnp.float32) if fresh else
+                          gk[:, keys] + dk_b.astype(jnp.float32), axis=1)
+        gv = replace_rows(gv, keys, dv_b.astype(jnp.float32) if fresh else
+                          gv[:, keys] + dv_b.astype(jnp.float32), axis=1)
+    return dq, (gk, gv)
+
+
+def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
+                  axis_name: AxisName, attend_bwd: BlockBackward):
+    """(dq, dk, dv) in the dtypes of q, k, v, for the global o, lse of this device's queries
+    and the cotangents do (and dlse, or None).
+
+    The keys go around the ring again; the dK/dV partial sums (float32, one transfer per
+    step) travel with their block, each device adding its share. The steps with other
+    devices' keys run first and the device's own block last: the partial sums of the own
+    block then come home during its computation."""
+    n, steps = plan.num_devices, len(plan.steps)
+    saved = (q, o, lse, do, dlse)
+    branch = functools.partial(_backward_blocks, attend_bwd, saved)
+    dq = jnp.zeros_like(q, jnp.float32)
+    kv_likes = (_shape_of(k), _shape_of(v))
+    sum_likes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (k, v))
+    home = None  # the other devices' share of this device's dk, dv
+    if steps > 1:
+        # Step 1's keys: the device's own, sent before anything else (nothing to wait for).
+        kv_words = send(pack((k, v)), axis_name, n)
+        kv = unpack(kv_words, kv_likes)
+        kv_count = sum(map(_word_count, kv_likes))
+        finished = None  # partial sums of the block this device held in the previous step
+        for index in range(1, steps):
+            last = index == steps - 1
+            # One payload, issued before this step's computation: this step's keys as they
+            # came (for the receiver's next step) and the partial sums of the previous step's
+            # block (the block the receiver holds now). The sums tie the transfer to the
+            # previous step (see _after); the first one, with keys only, to nothing.
+            parts = ([] if last else [kv_words]) + ([] if finished is None else [pack(finished)])
+            received = send(jnp.concatenate(parts), axis_name, n) if parts else None
+            dq, contribution = _run_step(plan.steps[index], axis_name, branch, kv, dq)
+            if finished is not None:  # the previous devices' share of the block held now
+                incoming = unpack(received[kv_count if not last else 0:], sum_likes)
+                contribution = jax.tree.map(jnp.add, incoming, contribution)
+            finished = contribution
+            if not last:
+                kv_words = received[:kv_count]
+                kv = unpack(kv_words, kv_likes)
+        # The partial sums of the last block go home (device r - (steps - 1) -> shift back)
+        # while the device computes its own block.
+        home = unpack(send(pack(finished), axis_name, n, shift=-(steps - 1)), sum_likes)
+    if plan.steps:
+        dq, (dk, dv) = _run_step(plan.steps[0], axis_name, branch, (k, v), dq)
+    else:
+        dk, dv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
+    if home is not None:
+        dk, dv = dk + home[0], dv + home[1]
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def whole_keys_backward(q, k, v, o, lse, do, dlse=None, *, step: plans.Step,
+                        axis_name: AxisName, attend_bwd: BlockBackward):
+    """(dq in q's dtype, dk, dv float32 over all keys: this device's share, to be summed
+    over the devices) with all keys and values on this device."""
+    branch = functools.partial(_backward_blocks, attend_bwd, (q, o, lse, do, dlse))
+    dq, (gk, gv) = _run_step(step, axis_name, branch, (k, v), jnp.zeros_like(q, jnp.float32))
+    return dq.astype(q.dtype), gk, gv
+
+
+# ----------------------------------------------------------------------------------------------
+# The load-balanced layout between devices. In the contiguous layout device s holds chunks 2s
+# and 2s+1 of 2n; in the load-balanced one device r holds chunks r and 2n-1-r. Each device
+# holds one even and one odd chunk in both, so two collective-permutes (one of even chunks, one
+# of odd ones) move everything, each device sending and receiving one chunk in each.
+
+
+def _halves(x, axis):
+    half = x.shape[axis] // 2
+    return (lax.slice_in_dim(x, 0, half, axis=axis),
+            lax.slice_in_dim(x, half, x.shape[axis], axis=axis))
+
+
+def _balanced_home(chunk: int, n: int) -> int:
+    return chunk if chunk < n else 2 * n - 1 - chunk
+
+
+def contiguous_to_balanced(x, axis_name: AxisName, n: int, *, axis: int):
+    """This device's part of a contiguously split sequence -> its load-balanced part."""
+    first, second = _halves(x, axis)  # chunks 2s (even) and 2s+1 (odd)
+    even = lax.ppermute(first, axis_name, [(s, _balanced_home(2 * s, n)) for s in range(n)])
+    odd = lax.ppermute(second, axis_name, [(s, _balanced_home(2 * s + 1, n)) for s in range(n)])
+    r_even = lax.axis_index(axis_name) % 2 == 0  # chunk r is even; chunk 2n-1-r is odd
+    return jnp.concatenate([jnp.where(r_even, even, odd), jnp.where(r_even, odd, even)],
+                           axis=axis)
+
+
+def balanced_to_contiguous(x, axis_name: AxisName, n: int, *, axis: int):
+    """Inverse of contiguous_to_balanced."""
+    first, second = _halves(x, axis)  # chunks r and 2n-1-r
+    r_even = lax.axis_index(axis_name) % 2 == 0
+    even_chunk = [r if r % 2 == 0 else 2 * n - 1 - r for r in range(n)]
+    odd_chunk = [2 * n - 1 - r if r % 2 == 0 else r for r in range(n)]
+    even = lax.ppermute(jnp.where(r_even, first, second), axis_name,
+                        [(r, even_chunk[r] // 2) for r in range(n)])
+    odd = lax.ppermute(jnp.where(r_even, second, first), axis_name,
+                       [(r, odd_chunk[r] // 2) for r in range(n)])
+    return jnp.concatenate([even, odd], axis=axis)
+
+
+# ----------------------------------------------------------------------------------------------
+# flash_attention on a sequence-sharded input under jit: the partitioning rule's per-device
+# program. The user's arrays are split contiguously along the sequence over `axis_name`.
+
+
+class SequencePlan:
+    """How one sharded call runs: the layout the queries (and ring keys) are computed in, how
+    K/V reach the queries, and the static block plan.
+
+    exchange: "ring"       K/V split like the queries, passed around the ring;
+              "all_gather" K/V split like the queries, gathered whole on every device;
+              "whole_kv"   K/V already whole on every device (no transfer).
+    layout:   "load_balanced" when a causal mask would otherwise leave the last devices with
+              most of the work (the shards are then permuted into that layout and back,
+              a few transfers of half a shard each); else "contiguous".
+    """
+
+    def __init__(self, *, num_devices, tq, tk, heads_q, heads_kv, head_dim, value_dim,
+                 window_left, window_right, offset, kv_split):
+        n = num_devices
+        self.num_devices = n
+        tq_local = tq // n
+        tk_local = tk // n if kv_split else tk
+        self.exchange = (_choose_exchange(n, tq_local, tk_local, heads_q, heads_kv, head_dim,
+                                          value_dim) if kv_split else WHOLE_KV)
+
+        def time_in(layout):
+            if self.exchange == RING:
+                plan = plans.ring_plan(n, layout, tq_local, tk_local, offset, window_left,
+                                       window_right)
+                return plan, plans.ring_time(plan)
+            step = plans.whole_keys_plan(n, layout, tq_local, tk, offset, window_left,
+                                         window_right)
+            return step, plans.whole_keys_time(step, n)
+
+        self.layout = CONTIGUOUS
+        self.plan, contiguous_time = time_in(CONTIGUOUS)
+        # The ring permutes K/V into the layout too, so it needs equal query and key splits.
+        can_balance = n > 1 and tq_local % 2 == 0 and (self.exchange != RING or tq == tk)
+        if can_balance:
+            balanced_plan, balanced_time = time_in(LOAD_BALANCED)
+            if balanced_time < 0.8 * contiguous_time:
+                self.layout, self.plan = LOAD_BALANCED, balanced_plan
+
+    @property
+    def balanced(self) -> bool:
+        return self.layout == LOAD_BALANCED
+
+    def __repr__(self):
+        return f"SequencePlan(exchange={self.exchange!r}, layout={self.layout!r})"
+
+
+# Rough machine constants of the exchange choice (H100/H200 with NVLink): HBM and the ring's
+# per-device link bandwidth as NCCL collective-permutes reach them.
+_HBM_BYTES_PER_S = 3.0e12
+_LINK_BYTES_PER_S = 1.5e11
+
+
+def _choose_exchange(n, tq_local, tk_local, heads_q, heads_kv, head_dim, value_dim) -> str:
+    """Ring or all-gather of K/V, from what each costs beyond the attention itself.
+
+    The ring hides its transfers behind the computation but merges partial results in float32
+    every step: per device and step about 10 bytes per query element forward (o, lse) and
+    8 (dq) plus 12 per key element (dk, dv) backward, through HBM. The all-gather needs no
+    merge, but its transfers wait: (n-1) blocks of K and V forward, and in the backward once
+    more plus a reduce-scatter of float32 dK/dV, over the link. With few KV heads the
+    transfers are small and the all-gather wins; with as many KV heads as query heads the
+    ring does. An all-gather that would hold more K/V than twice the local queries is not
+    taken (memory). TK_JAX_CONTEXT_PARALLEL=ring|all_gather overrides the choice."""
+    forced = os.environ.get(EXCHANGE_ENV, "auto")
+    if forced in (RING, ALL_GATHER):
+        return forced
+    if forced != "auto":
+        raise ValueError(f"{EXCHANGE_ENV} must be 'ring', 'all_gather' or 'auto', got {forced!r}")
+    steps = n - 1
+    q_elems = tq_local * heads_q * head_dim
+    kv_elems = tk_local * heads_kv * (head_dim + value_dim)
+    ring_s = steps * (10 * q_elems + 8 * q_elems + 12 * kv_elems) / _HBM_BYTES_PER_S
+    gather_s = steps * kv_elems * (2 + 2 + 4) / _LINK_BYTES_PER_S
+    fits = n * kv_elems <= 2 * tq_local * heads_q * value_dim
+    return ALL_GATHER if fits and gather_s < ring_s else RING
+
+
+def _kernel_calls(fn, static: dict, *, backward: bool):
+    """The per-block kernel calls of the sharded program: fn (the kernel the partitioning rule
+    wraps) with the block's window in place of the call's own."""
+    base = {k: v for k, v in static.items() if k not in ("window_left", "window_right")}
+    if "bottom_right" in base:  # blocks are planned bottom-right aligned on their rectangle
+        base["bottom_right"] = True
+    if backward:
+        def attend_bwd(q, k, v, o, lse, do, dlse, window_left, window_right):
+            extra = () if dlse is None else (dlse,)
+            return tuple(fn(q, k, v, o, lse, do, *extra, window_left=window_left,
+                            window_right=window_right, **base))
+        return attend_bwd
+
+    def attend(q, k, v, window_left, window_right):
+        return tuple(fn(q, k, v, window_left=window_left, window_right=window_right, **base))
+    return attend
+
+
+def plan_for(static: dict, q_shape, k_shape, v_shape, num_devices: int,
+             kv_split: bool) -> SequencePlan:
+    """The SequencePlan of a call with these global shapes ([B, T, H, D]) and static args."""
+    tq, tk = q_shape[1], k_shape[1]
+    offset = tk - tq if static.get("bottom_right", True) else 0
+    return SequencePlan(num_devices=num_devices, tq=tq, tk=tk, heads_q=q_shape[2],
+                        heads_kv=k_shape[2], head_dim=q_shape[3], value_dim=v_shape[3],
+                        window_left=static["window_left"], window_right=static["window_right"],
+                        offset=offset, kv_split=kv_split)
+
+
+def sequence_sharded_forward(fn, static: dict, plan: SequencePlan, axis_name: AxisName,
+                             q, k, v):
+    """Per device: (o, lse) of the local queries, in the contiguous split they came in."""
+    n = plan.num_devices
+    attend = _kernel_calls(fn, static, backward=False)
+    to_layout = functools.partial(contiguous_to_balanced, axis_name=axis_name, n=n)
+    if plan.balanced:
+        q = to_layout(q, axis=1)
+        if plan.exchange == RING:
+            k, v = to_layout(k, axis=1), to_layout(v, axis=1)
+    if plan.exchange == RING:
+        o, lse = ring_forward(q, k, v, plan=plan.plan, axis_name=axis_name, attend=attend)
+    else:
+        if plan.exchange == ALL_GATHER:
+            k, v = (lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
+        o, lse = whole_keys_forward(q, k, v, step=plan.plan, axis_name=axis_name, attend=attend)
+    if plan.balanced:
+        back = functools.partial(balanced_to_contiguous, axis_name=axis_name, n=n)
+        o, lse = back(o, axis=1), back(lse, axis=2)
+    return o, lse
+
+
+def sequence_sharded_backward(fn, static: dict, plan: SequencePlan, axis_name: AxisName,
+                              q, k, v, o, lse, do, dlse=None):
+    """Per device: (dq, dk, dv) of the local shards, in the split they came in."""
+    n = plan.num_devices
+    attend_bwd = _kernel_calls(fn, static, backward=True)
+    if plan.balanced:
+        to_layout = functools.partial(contiguous_to_balanced, axis_name=axis_name, n=n)
+        q, o, do = (to_layout(x, axis=1) for x in (q, o, do))
+        lse = to_layout(lse, axis=2)
+        dlse = None if dlse is None else to_layout(dlse, axis=2)
+        if plan.exchange == RING:
+            k, v = to_layout(k, axis=1), to_layout(v, axis=1)
+    if plan.exchange == RING:
+        dq, dk, dv = ring_backward(q, k, v, o, lse, do, dlse, plan=plan.plan,
+                                   axis_name=axis_name, attend_bwd=attend_bwd)
+    else:
+        k_local, v_local = k, v
+        if plan.exchange == ALL_GATHER:
+            k, v = (lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
+        dq, gk, gv = whole_keys_backward(q, k, v, o, lse, do, dlse, step=plan.plan,
+                                         axis_name=axis_name, attend_bwd=attend_bwd)
+        if plan.exchange == ALL_GATHER:  # each device's share of every key, summed at home
+            gk, gv = (lax.psum_scatter(g, axis_name, scatter_dimension=1, tiled=True)
+                      for g in (gk, gv))
+        else:
+            gk, gv = lax.psum((gk, gv), axis_name)
+        dk, dv = gk.astype(k_local.dtype), gv.astype(v_local.dtype)
+    if plan.balanced:
+        back = functools.partial(balanced_to_contiguous, axis_name=axis_name, n=n)
+        dq = back(dq, axis=1)
+        if plan.exchange == RING:
+            dk, dv = back(dk, axis=1), back(dv, axis=1)
+    return dq, dk, dv
+
+
+def sequence_sharded_program(kind: str, fn, static: dict, mesh, sequence_axes: tuple,
+                             kv_split: bool, global_shapes) -> Callable:
+    """The per-device program of an attention kernel call ("forward" or "backward": fn is the
+    forward or the backward kernel) whose queries are split along the sequence over the mesh
+    axes `sequence_axes` (K/V too when kv_split, else whole). Called by the partitioning rule
+    (tk_jax/_partitioning.py), with the global shapes of the call's operands."""
+    axis_name = sequence_axes[0] if len(sequence_axes) == 1 else tuple(sequence_axes)
+    n = int(np.prod([mesh.shape[a] for a in sequence_axes]))
+    q_shape, k_shape, v_shape = global_shapes[:3]
+    plan = plan_for(static, q_shape, k_shape, v_shape, n, kv_split)
+    if kind == "forward":
+        return lambda q, k, v: sequence_sharded_forward(fn, static, plan, axis_name, q, k, v)
+    if kind == "backward":
+        return lambda *arrays: sequence_sharded_backward(fn, static, plan, axis_name, *arrays)
+    raise ValueError(f"kind must be 'forward' or 'backward', got {kind!r}")
