@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from tk_jax import _kernels, _partitioning
+from tk_jax import _kernels, _partitioning, kvcache
 from tk_jax._backend import select_backend
 from tk_jax._checks import (check_attention_qkv, check_backend_name, check_bool,
                             check_index_array, is_int, resolve_softmax_scale)
@@ -160,6 +160,11 @@ def attention_fwd_impl(q, k, v, *, scale, window_left, window_right, backend,
     attention) and the kernel is called directly, without the partitioning rule."""
     _check_resolved(backend)
     window = dict(scale=scale, window_left=window_left, window_right=window_right)
+    if backend == "kernel" and _takes_decode_path(q, k, masks, bottom_right):
+        # Few query tokens against many keys: the KV-cache kernel, which packs the query heads
+        # of a KV head into one tile and splits the keys over the SMs (tk_jax/kvcache.py).
+        return kvcache.decode_attention_fwd(q, k, v, **window, kv_seq_lengths=masks.kv_seq_lengths,
+                                            local=local)
     if backend == "kernel":
         # The kernel sees whole arrays; the partitioning rule lets a sharded jit run it once per
         # device on the local (batch, head) shard. (The reference needs no rule: XLA splits
@@ -174,6 +179,13 @@ def attention_fwd_impl(q, k, v, *, scale, window_left, window_right, backend,
         return kernel(q, k, v, *masks.arrays(), **window, **_kernel_options(bottom_right))
     return reference_attention.attention_forward(q, k, v, **window, **masks.as_kwargs(),
                                                  bottom_right=bottom_right)
+
+
+def _takes_decode_path(q, k, masks: AttentionMasks, bottom_right: bool) -> bool:
+    """Whether the forward runs the KV-cache kernel: its mask is the bottom-right band with
+    key lengths at most (no segment ids, no query lengths), and few queries see many keys."""
+    plain = masks.q_segment_ids is None and masks.q_seq_lengths is None and bottom_right
+    return plain and kvcache.decode_fast_path_applies(q, k)
 
 
 def attention_bwd_impl(q, k, v, o, lse, do, *, scale, window_left, window_right, backend,
