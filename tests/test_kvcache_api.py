@@ -431,7 +431,8 @@ def _copies_of(text, shape):
             or re.search(rf"%[\w.-]*copy[\w.-]* = {result} ", line)]
 
 
-@pytest.mark.parametrize("route, paged", [("reference", False), ("kernel", False), ("kernel", True)])
+@pytest.mark.parametrize("route, paged",
+                         [("reference", False), ("kernel", False), ("kernel", True)])
 def test_append_is_in_place_when_donated(rng, request, route, paged):
     backend = request.getfixturevalue("kernel_path") if route == "kernel" else "reference"
     args, kwargs = make_case(rng, batch=2, tq=1, tnew=1, capacity=64,

@@ -7,8 +7,9 @@ new keys happens before, in tk_jax/kvcache.py):
     q [B, Tq, Hq, D]; seqlens [B] int32: the cache holds keys 0 .. seqlens[b] - 1 of row b.
     Contiguous cache: k_cache, v_cache [B, S, Hkv, D], capacity S.
     Paged cache:      k_cache, v_cache [num_pages, page_size, Hkv, D] and page_table
-                      [B, max_pages] int32: key j of row b lies on page page_table[b, j // page_size]
-                      at slot j % page_size; capacity max_pages * page_size.
+                      [B, max_pages] int32: key j of row b lies on page
+                      page_table[b, j // page_size] at slot j % page_size; capacity
+                      max_pages * page_size.
 
 Query token t of row b sits at position seqlens[b] - Tq + t (the queries are the last Tq tokens,
 FlashAttention's bottom-right alignment) and sees key j iff
@@ -58,12 +59,14 @@ def _check_inputs(q, k_cache, v_cache, seqlens, page_table, block_k):
             raise ValueError(f"{op}: {name} must have rank 4, got shape {x.shape}")
     if k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[3]:
         raise ValueError(f"{op}: k_cache and v_cache must have one shape [.., .., Hkv, D] with "
-                         f"q's D; got q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape}")
+                         f"q's D; got q {q.shape}, k_cache {k_cache.shape}, "
+                         f"v_cache {v_cache.shape}")
     hkv = k_cache.shape[2]
     if hkv == 0 or q.shape[2] % hkv != 0:
         raise ValueError(f"{op}: query heads ({q.shape[2]}) must be a multiple of kv heads ({hkv})")
     if seqlens.shape != (q.shape[0],):
-        raise ValueError(f"{op}: seqlens must have shape [B] = {(q.shape[0],)}, got {seqlens.shape}")
+        raise ValueError(f"{op}: seqlens must have shape [B] = {(q.shape[0],)}, got "
+                         f"{seqlens.shape}")
     if page_table is None:
         if k_cache.shape[0] != q.shape[0]:
             raise ValueError(f"{op}: a contiguous cache needs one row per batch element: q "
