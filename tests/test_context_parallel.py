@@ -11,7 +11,9 @@ instead (the kernel_path fixture), in bf16.
 from __future__ import annotations
 
 import functools
+import pathlib
 import re
+import sys
 import warnings
 
 import jax
@@ -506,3 +508,44 @@ def test_sequence_split_with_kv_heads_picked_per_device_is_gathered_with_a_warni
         o = jax.jit(functools.partial(tk_jax.flash_attention, causal=True, backend=dense))(*args)
     o_ref, _, _ = oracle(q, k, v, q, window=(-1, 0))
     assert_close(o, o_ref, "o", TOL)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. scripts/profile_ring.py's readers (what the lead checks on GPUs), on made-up input.
+
+SCHEDULE = """HloModule jit_step, is_scheduled=true
+
+%branch (p: bf16[4]) -> bf16[4] {
+  ROOT %p = bf16[4]{0} parameter(0)
+}
+
+ENTRY %main.1 (p0: bf16[4], p1: s32[]) -> bf16[4] {
+  %p0 = bf16[4]{0} parameter(0)
+  %collective-permute-start.1 = (bf16[4]{0}, bf16[4]{0}) collective-permute-start(%p0), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  %custom-call.2 = (bf16[4]{0}, f32[4]{0}) custom-call(%p0), custom_call_target="tk_attention_fwd"
+  %collective-permute-done.1 = bf16[4]{0} collective-permute-done(%collective-permute-start.1)
+  %collective-permute-start.10 = (bf16[4]{0}, bf16[4]{0}) collective-permute-start(%collective-permute-done.1), channel_id=2, backend_config={"collective_backend_config":{"is_sync":true}}
+  %collective-permute-done.10 = bf16[4]{0} collective-permute-done(%collective-permute-start.10)
+  %fusion.3 = bf16[4]{0} fusion(%collective-permute-done.10), kind=kLoop, calls=%branch
+  ROOT %conditional.4 = bf16[4]{0} conditional(%p1, %fusion.3), branch_computations={%branch}
+}
+"""
+
+
+def test_profile_ring_reads_a_schedule_and_a_trace():
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+    import profile_ring
+
+    names = [(name, op) for name, op, _ in profile_ring.entry_schedule(SCHEDULE)]
+    assert names[1:4] == [("collective-permute-start.1", "collective-permute-start"),
+                          ("custom-call.2", "custom-call"),
+                          ("collective-permute-done.1", "collective-permute-done")]
+    text = "\n".join(profile_ring.describe_schedule(SCHEDULE))
+    assert "2 async collective(s)" in text and "1 with an attention call" in text, text
+    assert "1 marked is_sync" in text and "tk_attention_fwd" in text, text
+    # Trace: NCCL runs 10..30 us, compute 0..20 and 25..40: 15 of its 20 us overlap.
+    events = [("/device:GPU:0", "Stream #1", "fusion", "compute", 0.0, 20.0),
+              ("/device:GPU:0", "Stream #1", "tk_attention", "compute", 25.0, 15.0),
+              ("/device:GPU:0", "Stream #2", "ncclDevKernel_SendRecv", "comm", 10.0, 20.0)]
+    text = "\n".join(profile_ring.describe_trace(events, timeline_lines=10))
+    assert "0.04 | 0.02 | 0.01 (75%)" in text, text
