@@ -13,7 +13,8 @@ with off_b = kv_len[b] - q_len[b] when bottom_right (FlashAttention), 0 when not
 
 Masked entries are left out of every sum (a select, not a product with 0), so a non-finite q, k
 or v reaches exactly the rows that see it, as in plain softmax attention; a row that sees no
-key has o = 0, lse = -inf and zero gradients.
+key has o = 0, lse = -inf and zero gradients, and so has a row whose visible scores are all
+-inf (a score of -inf weighs nothing, like a masked one).
 """
 from __future__ import annotations
 
@@ -84,18 +85,20 @@ def _masked_product(a, mask, b):
 
 
 def _probabilities(q, k, scale, mask):
-    """Softmax P [B, H, Tq, Tk] (0 where masked) and lse [B, H, Tq]. Rows that see no key:
-    P = 0, lse = -inf. Rows that see a non-finite score get NaN, as plain softmax does."""
-    seen = mask.any(axis=-1, keepdims=True)
+    """Softmax P [B, H, Tq, Tk] (0 where masked), lse [B, H, Tq] and the mask of the entries
+    that count: rows that see no key, or only scores of -inf, count none (P = 0, lse = -inf).
+    Rows that see a NaN or +inf score get NaN, as plain softmax does."""
     with np.errstate(invalid="ignore", over="ignore"):
         # A non-finite q_i or k_j only spoils score (i, j), which the select drops if masked.
         s = np.where(mask, scale * (q @ np.swapaxes(k, -1, -2)), -np.inf)
-        row_max = np.where(seen, s.max(axis=-1, keepdims=True), 0.0)
+        row_max = s.max(axis=-1, keepdims=True)
+        seen = row_max != -np.inf  # NaN counts as seen
+        row_max = np.where(seen, row_max, 0.0)
         e = np.where(mask, np.exp(s - row_max), 0.0)
         total = e.sum(axis=-1, keepdims=True)
-        p = np.where(mask, e / np.where(seen, total, 1.0), 0.0)
+        p = np.where(mask & seen, e / np.where(seen, total, 1.0), 0.0)
         lse = np.where(seen, row_max + np.log(np.where(seen, total, 1.0)), -np.inf)[..., 0]
-    return p, lse
+    return p, lse, mask & seen
 
 
 def naive_attention(q, k, v, scale, window_left, window_right, **masks):
@@ -104,7 +107,7 @@ def naive_attention(q, k, v, scale, window_left, window_right, **masks):
     bottom_right (default True), as tk_jax.flash_attention takes them."""
     q, k, v = _as_heads(q, k, v)
     mask = _mask_of(q, k, window_left, window_right, masks)
-    p, lse = _probabilities(q, k, scale, mask)
+    p, lse, mask = _probabilities(q, k, scale, mask)
     with np.errstate(invalid="ignore", over="ignore"):
         o = _masked_product(p, mask, v)
     return o.transpose(0, 2, 1, 3), lse
@@ -118,7 +121,7 @@ def naive_attention_grads(q, k, v, do, scale, window_left, window_right, dlse=No
     q, k, v = _as_heads(q, k, v)
     do = np.asarray(do, np.float64).transpose(0, 2, 1, 3)
     mask = _mask_of(q, k, window_left, window_right, masks)
-    p, _ = _probabilities(q, k, scale, mask)
+    p, _, mask = _probabilities(q, k, scale, mask)
     with np.errstate(invalid="ignore", over="ignore"):
         dv = _masked_product(np.swapaxes(p, -1, -2), np.swapaxes(mask, -1, -2), do)
         dp = np.where(mask, do @ np.swapaxes(v, -1, -2), 0.0)

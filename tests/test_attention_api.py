@@ -422,14 +422,10 @@ def test_masks_match_naive(name):
     o_ref, lse_ref = naive_attention(q, k, v, scale, *window, **masks)
     grads_ref = naive_attention_grads(q, k, v, do, scale, *window, **masks)
 
+    # Eager calls: the reference's jitted forward compiles once for o, lse and the gradients.
     fn = functools.partial(flash_attention, **kwargs)
-
-    @jax.jit  # one compilation for all of it
-    def run(q, k, v):
-        grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * do), argnums=(0, 1, 2))(q, k, v)
-        return fn(q, k, v, return_lse=True), grads
-
-    (o, lse), grads = run(q, k, v)
+    o, grads = loss_and_grads(fn, q, k, v, do)
+    _, lse = fn(q, k, v, return_lse=True)
     assert_close(o, o_ref, f"{name} o", seed)
     for grad_name, grad, ref in zip("qkv", grads, grads_ref):
         assert_close(grad, ref, f"{name} d{grad_name}", seed)
@@ -474,9 +470,8 @@ def test_non_finite_inputs_reach_exactly_the_rows_that_see_them():
 
     fn = functools.partial(flash_attention, causal=True, q_segment_ids=ids,
                            q_seq_lengths=masks["q_seq_lengths"])
-    o, lse = jax.jit(functools.partial(fn, return_lse=True))(q, k, v)
-    dq, dk, dv = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * do), argnums=(0, 1, 2)))(
-        q, k, v)
+    o, lse = fn(q, k, v, return_lse=True)
+    dq, dk, dv = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * do), argnums=(0, 1, 2))(q, k, v)
     o_ref, lse_ref = naive_attention(q, k, v, scale, -1, 0, **masks)
     dq_ref, _, _ = naive_attention_grads(q, k, v, do, scale, -1, 0, **masks)
     o, lse, dq = (np.asarray(x, np.float64) for x in (o, lse, dq))

@@ -328,8 +328,9 @@ def test_masks_forward_and_backward_match_naive(case):
 
 def test_non_finite_values_reach_only_the_rows_that_see_them():
     """Per row and head: NaN in o (and lse, for q and k) exactly where plain softmax has it:
-    a NaN key that only later rows see, an inf value that only one segment sees, and a query
-    whose scores are all -inf (plain softmax: 0 / 0). The backward agrees row by row."""
+    a NaN key that only later rows see, an inf value that only one segment sees. A query whose
+    scores are all -inf weighs no key: o = 0, lse = -inf, dq = 0. The backward agrees row by
+    row."""
     rng, seed = fresh_rng()
     b, t, h, d = 1, 12, 2, 4
     (q, k, v, do), _ = random_inputs(rng, b, t, t, h, 1, d, jnp.float32)
@@ -350,8 +351,9 @@ def test_non_finite_values_reach_only_the_rows_that_see_them():
     expected_bad = np.zeros((b, t, h), bool)
     expected_bad[0, 9:] = True
     expected_bad[0, 5:7] = True
-    expected_bad[0, 2, 1] = True
     np.testing.assert_array_equal(bad, expected_bad, err_msg="the oracle's NaN rows")
+    assert np.all(np.asarray(o)[0, 2, 1] == 0) and np.all(np.asarray(dq)[0, 2, 1] == 0)
+    assert np.isneginf(np.asarray(lse)[0, 1, 2]) and np.isneginf(lse_ref[0, 1, 2])
     for name, x in (("o", o), ("dq", dq)):
         np.testing.assert_array_equal(~np.isfinite(np.asarray(x)).all(axis=-1), bad,
                                       err_msg=f"{name}: rows with a non-finite value (seed={seed})")

@@ -23,7 +23,9 @@ Non-finite values behave as in plain softmax attention, where masked entries are
 the sums: a NaN or inf in q, k or v that a row sees makes that row's o NaN (and its lse, for q
 and k), forward and backward alike; a row that sees no key gets o = 0, lse = -inf and zero
 gradients whatever the inputs hold; keys that no query sees get zero dk and dv. (Products with
-a masked-out probability of 0 would otherwise turn an unseen inf or NaN into a NaN.)
+a masked-out probability of 0 would otherwise turn an unseen inf or NaN into a NaN.) A score
+of -inf weighs nothing, as a masked one: a row whose visible scores are all -inf counts as a
+row that sees no key (plain softmax would give 0 / 0 there).
 
 All arithmetic is float32 with full-precision matmuls (on a GPU, XLA would otherwise use TF32
 for float32 matmuls, which is too coarse for an oracle).
@@ -202,16 +204,17 @@ def attention_forward(q, k, v, *, scale: float, window_left: int, window_right: 
 
     qg = _group_queries(q, hkv)
     k_blocks = _head_major(_key_blocks(k.astype(jnp.float32), plan))
-    v_blocks = _head_major(_key_blocks(_finite_or_zero(v), plan))
-    # Which keys hold a non-finite value per kv head ([nblocks, B, Hkv, block_k]): a row that
-    # sees one gets a NaN output (its finite stand-in 0 above keeps it out of other rows).
-    v_bad = jnp.swapaxes(_key_blocks(~jnp.all(jnp.isfinite(v), axis=-1), plan, fill=False), 2, 3)
+    v_blocks = _head_major(_key_blocks(v.astype(jnp.float32), plan))
 
     # Online softmax: running row max m, row sum l (relative to exp(m)) and output acc, plus
-    # whether each row has seen any key and any non-finite value of v.
+    # whether each row has seen a non-finite value of v.
     def step(carry, block):
-        m, l, acc, seen, spoiled = carry
-        index, k_blk, v_blk, bad_blk, segments = block
+        m, l, acc, spoiled = carry
+        index, k_blk, v_blk, segments = block
+        # A key whose v holds a non-finite value (per kv head: [B, Hkv, block_k]) spoils the
+        # rows that see it, below; its finite stand-in 0 keeps it out of the other rows.
+        bad_blk = ~jnp.all(jnp.isfinite(v_blk), axis=-1)
+        v_blk = _finite_or_zero(v_blk)
         visible = mask_of(index, segments)  # [B or 1, Tq, block_k]
         s = scale * _einsum("bhgqd,bhkd->bhgqk", qg, k_blk)
         s = jnp.where(visible[:, None, None], s, -jnp.inf)
@@ -223,30 +226,28 @@ def attention_forward(q, k, v, *, scale: float, window_left: int, window_right: 
         rescale = jnp.exp(m - m_ref)       # m = -inf: 0 (nothing accumulated yet)
         l = l * rescale + p.sum(axis=-1)
         acc = acc * rescale[..., None] + _einsum("bhgqk,bhkd->bhgqd", p, v_blk)
-        seen = seen | visible.any(axis=-1)
         spoiled = spoiled | jnp.any(visible[:, None] & bad_blk[:, :, None, :], axis=-1)
-        return (m_new, l, acc, seen, spoiled), None
+        return (m_new, l, acc, spoiled), None
 
     # Built from qg (zeros_like) so that inside shard_map the carry has qg's device-varying
     # type, as scan requires of a carry that the loop body makes varying.
     row = jnp.zeros_like(qg[..., 0], jnp.float32)
     init = (jnp.full_like(row, -jnp.inf), row,
             jnp.zeros_like(qg, jnp.float32, shape=(b, hkv, g, tq, dv)),
-            jnp.zeros_like(row[:, 0, 0], bool), jnp.zeros_like(row[:, :, 0], bool))
-    blocks = (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks, v_bad, kv_segments)
+            jnp.zeros_like(row[:, :, 0], bool))
+    blocks = (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks, kv_segments)
     # Under jax.grad, checkpointing makes each step keep only its carry and recompute its score
     # block in the backward pass: memory O(Tq * (Tk / block_k) * D) instead of O(Tq * Tk).
-    (m, l, acc, seen, spoiled), _ = lax.scan(jax.checkpoint(step), init, blocks)
+    (m, l, acc, spoiled), _ = lax.scan(jax.checkpoint(step), init, blocks)
 
-    # Rows that saw no key: o = 0, lse = -inf; the inner wheres keep log and the division
-    # finite there, so that no NaN reaches the gradients either. A row that saw keys has
-    # l >= 1 unless all its scores were -inf (an inf input): then 0 / 0, NaN, as plain softmax.
-    seen = seen[:, None, None, :]
+    # l = 0 exactly for the rows that saw no key (or only scores of -inf, which weigh nothing
+    # either): o = 0, lse = -inf; the inner wheres keep log and the division finite there, so
+    # that no NaN reaches the gradients. Every other row has l >= 1, or NaN if it saw a NaN.
+    seen = l != 0
     l_safe = jnp.where(seen, l, 1.0)
     o = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
     o = jnp.where(spoiled[:, :, None, :, None], jnp.nan, o)
     lse = jnp.where(seen, jnp.where(seen, m, 0.0) + jnp.log(l_safe), -jnp.inf)
-    lse = jnp.where(seen & (l == 0), jnp.nan, lse)
     return _ungroup_queries(o).astype(q.dtype), lse.reshape(b, hq, tq)
 
 
@@ -290,11 +291,11 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, window_left: int,
     # masked-out zeros would carry a NaN into rows or keys that never saw it. A row that saw
     # a non-finite value has a NaN lse or o (so NaN delta), hence a NaN dS, which they carry.
     k_blocks = _head_major(_key_blocks(k.astype(jnp.float32), plan))
-    k_safe = _head_major(_key_blocks(_finite_or_zero(k), plan))
-    v_safe = _head_major(_key_blocks(_finite_or_zero(v), plan))
+    v_blocks = _head_major(_key_blocks(v.astype(jnp.float32), plan))
 
     def step(dq, block):
-        index, k_blk, k_safe_blk, v_blk, segments = block
+        index, k_blk, v_blk, segments = block
+        k_safe_blk, v_blk = _finite_or_zero(k_blk), _finite_or_zero(v_blk)
         visible = mask_of(index, segments)[:, None, None]
         s = scale * _einsum("bhgqd,bhkd->bhgqk", qg, k_blk)
         p = jnp.where(visible, jnp.exp(s - lse), 0.0)
@@ -305,7 +306,7 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, window_left: int,
         dk_blk = scale * _einsum("bhgqk,bhgqd->bhkd", ds, q_safe)
         return dq, (dk_blk, dv_blk)
 
-    blocks = (jnp.arange(k_blocks.shape[0]), k_blocks, k_safe, v_safe, kv_segments)
+    blocks = (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks, kv_segments)
     dq, (dk, dv) = lax.scan(step, jnp.zeros_like(qg), blocks)
 
     def unblock(x):  # [nblocks, B, Hkv, block_k, D] -> [B, Tk, Hkv, D], zero outside lo..hi
