@@ -427,7 +427,11 @@ def _choose_exchange(n, tq_local, tk_local, heads_q, heads_kv, head_dim, value_d
     if forced in (RING, ALL_GATHER):
         return forced
     if forced != "auto":
-        raise ValueError(f"{EXCHANGE_ENV} must be 'ring', 'all_gather' or 'auto', got {forced!r}")
+        # This runs inside XLA's partitioner, where an exception would end the compilation
+        # (or the process): say so and choose as if unset.
+        from tk_jax._partitioning import _warn_once
+        _warn_once(f"env-{forced}", f"tk_jax: {EXCHANGE_ENV} must be 'ring', 'all_gather' or "
+                                    f"'auto', got {forced!r}; ignored")
     steps = n - 1
     q_elems = tq_local * heads_q * head_dim
     kv_elems = tk_local * heads_kv * (head_dim + value_dim)
