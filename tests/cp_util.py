@@ -34,13 +34,16 @@ def _visible(tq, tk, window_left, window_right):
     return mask
 
 
-def _scores(q, k, scale, window_left, window_right):
+def _scores(q, k, scale, window_left, window_right, q_segment_ids=None, kv_segment_ids=None):
     """Masked scores [B, Hkv, G, Tq, Tk] (float32) and the query heads grouped by kv head."""
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.astype(jnp.float32).reshape(b, tq, hkv, hq // hkv, d)
     s = scale * jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision=_HIGHEST)
-    return jnp.where(_visible(tq, k.shape[1], window_left, window_right), s, -jnp.inf), qg
+    mask = _visible(tq, k.shape[1], window_left, window_right)[None]
+    if q_segment_ids is not None:
+        mask = mask & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+    return jnp.where(mask[:, None, None], s, -jnp.inf), qg
 
 
 def _probabilities(s, lse):
@@ -48,9 +51,10 @@ def _probabilities(s, lse):
     return jnp.where(jnp.isneginf(s), 0.0, jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse)))
 
 
-def dense_attention_fwd(q, k, v, *, scale, window_left, window_right, **unused):
+def dense_attention_fwd(q, k, v, *, scale, window_left, window_right, q_segment_ids=None,
+                        kv_segment_ids=None, **unused):
     b, tq, hq, _ = q.shape
-    s, _ = _scores(q, k, scale, window_left, window_right)
+    s, _ = _scores(q, k, scale, window_left, window_right, q_segment_ids, kv_segment_ids)
     lse = jax.nn.logsumexp(s, axis=-1)  # -inf for a row that sees nothing
     o = jnp.einsum("bhgqk,bkhe->bqhge", _probabilities(s, lse), v.astype(jnp.float32),
                    precision=_HIGHEST)
@@ -58,11 +62,11 @@ def dense_attention_fwd(q, k, v, *, scale, window_left, window_right, **unused):
 
 
 def dense_attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale, window_left, window_right,
-                        **unused):
+                        q_segment_ids=None, kv_segment_ids=None, **unused):
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    s, qg = _scores(q, k, scale, window_left, window_right)
+    s, qg = _scores(q, k, scale, window_left, window_right, q_segment_ids, kv_segment_ids)
     p = _probabilities(s, lse.reshape(b, hkv, g, tq))
     dog = do.astype(jnp.float32).reshape(b, tq, hkv, g, -1)
     og = o.astype(jnp.float32).reshape(b, tq, hkv, g, -1)
@@ -125,3 +129,35 @@ def assert_close(actual, expected, what, tol):
     assert np.array_equal(np.isfinite(actual), finite), f"{what}: non-finite values differ"
     err = relative_l2(np.where(finite, actual, 0), np.where(finite, expected, 0))
     assert err < tol, f"{what}: relative L2 error {err:.3g} >= {tol}"
+
+
+def segment_oracle(q, k, v, do, q_segment_ids, kv_segment_ids, *, window):
+    """float64 (o, lse, (dq, dk, dv)) with segment ids ([B, T]: query i sees key j only in the
+    same segment), multi-head (Hq == Hkv), scale 1/sqrt(D)."""
+    q, k, v, do = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, do))
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    tq, tk = q.shape[2], k.shape[2]
+    i = np.arange(tq)[:, None] + (tk - tq)
+    j = np.arange(tk)[None, :]
+    mask = np.ones((tq, tk), bool)
+    if window[0] >= 0:
+        mask &= j >= i - window[0]
+    if window[1] >= 0:
+        mask &= j <= i + window[1]
+    mask = mask[None] & (np.asarray(q_segment_ids)[:, :, None] ==
+                         np.asarray(kv_segment_ids)[:, None, :])
+    s = np.where(mask[:, None], scale * q @ k.transpose(0, 1, 3, 2), -np.inf)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    total = e.sum(axis=-1, keepdims=True)
+    p = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(total > 0, m + np.log(total), -np.inf)[..., 0]
+    o = p @ v
+    dv = p.transpose(0, 1, 3, 2) @ do
+    dp = do @ v.transpose(0, 1, 3, 2)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    dq, dk = scale * ds @ k, scale * ds.transpose(0, 1, 3, 2) @ q
+    back = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    return back(o), lse, (back(dq), back(dk), back(dv))

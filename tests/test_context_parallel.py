@@ -28,11 +28,15 @@ from tk_jax import _context_parallel, _partitioning
 from tk_jax import _ring_plan as plans
 
 try:  # tests/ as a package, or tests/ on sys.path
-    from tests.cp_util import assert_close, dense_kernels_module, oracle
+    from tests.cp_util import (assert_close, dense_attention_bwd, dense_attention_fwd,
+                               dense_kernels_module, oracle)
+    from tests.cp_util import segment_oracle as _segment_oracle
     from tests.naive import visible_mask
     from tests.sharding_util import collectives
 except ImportError:
-    from cp_util import assert_close, dense_kernels_module, oracle
+    from cp_util import (assert_close, dense_attention_bwd, dense_attention_fwd,
+                         dense_kernels_module, oracle)
+    from cp_util import segment_oracle as _segment_oracle
     from naive import visible_mask
     from sharding_util import collectives
 
@@ -191,8 +195,9 @@ def test_sequence_plan_choices(monkeypatch):
     monkeypatch.setenv(_context_parallel.EXCHANGE_ENV, "all_gather")
     assert plan(8, 8).exchange == "all_gather"
     monkeypatch.setenv(_context_parallel.EXCHANGE_ENV, "bogus")
-    with pytest.raises(ValueError, match="TK_JAX_CONTEXT_PARALLEL"):
-        plan(8, 8)
+    monkeypatch.setattr(_partitioning, "_warned", set())
+    with pytest.warns(UserWarning, match="TK_JAX_CONTEXT_PARALLEL.*ignored"):
+        assert plan(8, 8).exchange == "ring"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,7 +240,6 @@ def in_layout(run, load_balanced, n, *arrays):
 
 
 RING_CASES = {  # n, mask, load_balanced, Hq, Hkv, positions per device
-    "causal, balanced, n=4": (4, "causal", True, 4, 2, 6),
     "causal, contiguous, n=2": (2, "causal", False, 2, 2, 5),
     "full, n=8, MQA": (8, "full", False, 4, 1, 3),
     "window, contiguous, n=4": (4, (5, 0), False, 2, 2, 4),
@@ -431,7 +435,6 @@ SEQUENCE_CASES = {
                     None),
     "causal GQA, n=8": ((8,), ("seq",), P(None, "seq"), P(None, "seq"), 4, 2, "causal", 32, 32,
                         None),
-    "full, n=2": ((2,), ("seq",), P(None, "seq"), P(None, "seq"), 2, 1, "full", 12, 12, None),
     "window, n=4": ((4,), ("seq",), P(None, "seq"), P(None, "seq"), 2, 2, (3, 0), 16, 16,
                     None),
     "batch x sequence, lse": ((2, 4), ("data", "seq"), P("data", "seq"), P("data", "seq"), 2,
@@ -464,11 +467,11 @@ def test_sequence_sharded_flash_attention_matches_oracle(dense, rng, monkeypatch
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing is gathered: no warning
         compiled = jax.jit(outputs_and_grads(attend, with_lse)).lower(*args).compile()
-        forward = jax.jit(attend).lower(*args[:3]).compile()
     hlo, found = compiled.as_text(), collectives(compiled.as_text())
     assert hq not in gathered_head_counts(hlo) or hq == hkv and not gathered_head_counts(hlo)
     if kv_spec == P():  # K/V already whole: only the queries move (into the load-balanced
         # layout and back); dK/dV are summed over the devices backward
+        forward = jax.jit(attend).lower(*args[:3]).compile()
         assert collectives(forward.as_text()) == {"collective-permute"}
         assert found == {"collective-permute", "all-reduce"}
     elif exchange == "all_gather":
@@ -508,6 +511,62 @@ def test_sequence_split_with_kv_heads_picked_per_device_is_gathered_with_a_warni
         o = jax.jit(functools.partial(tk_jax.flash_attention, causal=True, backend=dense))(*args)
     o_ref, _, _ = oracle(q, k, v, q, window=(-1, 0))
     assert_close(o, o_ref, "o", TOL)
+
+
+@pytest.mark.parametrize("layout", [plans.CONTIGUOUS, plans.LOAD_BALANCED])
+def test_ring_carries_segment_ids(rng, layout):
+    """The ring with packed sequences: the keys' segment ids travel with K/V (in the same
+    payload) and every block gets the slices of both; rows whose segment has no visible key
+    (padding: queries and keys get different ids) give lse = -inf and zero gradients."""
+    n, b, local, h, d = 4, 2, 8, 2, 8
+    t = n * local
+    q, k, v, do = random_arrays(rng, *[(b, t, h, d)] * 4)
+    bounds = np.sort(rng.choice(np.arange(1, t), size=(b, 3), replace=False), axis=1)
+    seg = (np.arange(t)[None, :, None] >= bounds[:, None, :]).sum(-1).astype(np.int32)
+    q_seg, kv_seg = seg.copy(), seg.copy()
+    q_seg[:, -5:], kv_seg[:, -5:] = -1, -2  # padding: sees nothing, is seen by nothing
+    o_ref, lse_ref, grads_ref = _segment_oracle(q, k, v, do, q_seg, kv_seg, window=(-1, 0))
+    there = ((lambda x: x) if layout == plans.CONTIGUOUS else
+             (lambda x: tk_jax.to_load_balanced(jnp.asarray(x), n, axis=1)))
+    back = ((lambda x: x) if layout == plans.CONTIGUOUS else
+            (lambda x, axis=1: tk_jax.from_load_balanced(x, n, axis=axis)))
+    plan = plans.ring_plan(n, layout, local, local, 0, -1, 0)
+    scale = 1.0 / np.sqrt(d)
+
+    def attend(q, k, v, window_left, window_right, **segments):
+        return dense_attention_fwd(q, k, v, scale=scale, window_left=window_left,
+                                   window_right=window_right, **segments)
+
+    def attend_bwd(q, k, v, o, lse, do, dlse, window_left, window_right, **segments):
+        return dense_attention_bwd(q, k, v, o, lse, do, dlse, scale=scale,
+                                   window_left=window_left, window_right=window_right,
+                                   **segments)
+
+    def body(q, k, v, do, qs, ks, o_global, lse_global):
+        o, lse = _context_parallel.ring_forward(q, k, v, plan=plan, axis_name="seq",
+                                                attend=attend, q_segment_ids=qs,
+                                                kv_segment_ids=ks)
+        grads = _context_parallel.ring_backward(q, k, v, o_global, lse_global, do,
+                                                plan=plan, axis_name="seq",
+                                                attend_bwd=attend_bwd, q_segment_ids=qs,
+                                                kv_segment_ids=ks)
+        return o, lse, grads
+
+    rows, lse_rows = P(None, "seq"), P(None, None, "seq")
+    run = jax.jit(jax.shard_map(body, mesh=mesh_of((n,), ("seq",)),
+                                in_specs=(rows,) * 6 + (rows, lse_rows),
+                                out_specs=(rows, lse_rows, (rows,) * 3)))
+    lse_layout = (jnp.asarray(lse_ref, jnp.float32) if layout == plans.CONTIGUOUS else
+                  tk_jax.to_load_balanced(jnp.asarray(lse_ref, jnp.float32), n, axis=2))
+    o, lse, grads = run(*(there(x) for x in (q, k, v, do, q_seg, kv_seg)),
+                        there(jnp.asarray(o_ref, jnp.float32)), lse_layout)
+    assert_close(back(o), o_ref, "o", TOL)
+    lse = lse if layout == plans.CONTIGUOUS else back(lse, axis=2)
+    assert_close(lse, lse_ref, "lse", TOL)
+    assert np.all(np.isneginf(np.asarray(lse)[:, :, -5:]))
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_close(back(g), g_ref, name, TOL)
+    assert not np.asarray(back(grads[0]))[:, -5:].any()
 
 
 # ----------------------------------------------------------------------------------------------

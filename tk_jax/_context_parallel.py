@@ -39,9 +39,11 @@ from tk_jax import _ring_plan as plans
 from tk_jax._ring_plan import CONTIGUOUS, LOAD_BALANCED
 
 AxisName = Hashable  # a mesh axis name, or a tuple of them
-# attend(q, k, v, window_left, window_right) -> (o, lse [B, Hq, Tq] f32), on local blocks.
+# attend(q, k, v, window_left, window_right, **segments) -> (o, lse [B, Hq, Tq] f32), on
+# local blocks; segments: {} or the block's q_segment_ids and kv_segment_ids ([B, rows] int32).
 BlockForward = Callable
-# attend_bwd(q, k, v, o, lse, do, dlse or None, window_left, window_right) -> (dq, dk, dv).
+# attend_bwd(q, k, v, o, lse, do, dlse or None, window_left, window_right, **segments)
+# -> (dq, dk, dv).
 BlockBackward = Callable
 
 RING, ALL_GATHER, WHOLE_KV = "ring", "all_gather", "whole_kv"
@@ -167,15 +169,25 @@ def _empty_forward(q, v):
     return o, lse
 
 
-def _forward_blocks(attend: BlockForward, unwritten: np.ndarray, blocks, q, kv, acc):
-    """Merge this device's blocks against the keys `kv` into acc = (o f32, lse). Rows that no
-    device has written yet (`unwritten`, static) take the block's result as it is."""
-    k, v = kv
+def _segments(q_segment_ids, kv, rows, keys) -> dict:
+    """The segment ids of one block (the keys' travel with K/V as kv[2]), or {} without."""
+    if q_segment_ids is None:
+        return {}
+    return {"q_segment_ids": q_segment_ids[:, rows], "kv_segment_ids": kv[2][:, keys]}
+
+
+def _forward_blocks(attend: BlockForward, unwritten: np.ndarray, q_segment_ids, blocks, q, kv,
+                    acc):
+    """Merge this device's blocks against the keys `kv` = (k, v[, kv_segment_ids]) into
+    acc = (o f32, lse). Rows that no device has written yet (`unwritten`, static) take the
+    block's result as it is."""
+    k, v = kv[:2]
     o_acc, lse_acc = acc
     unwritten = unwritten.copy()
     for b in blocks:
         rows, keys = slice(b.q_start, b.q_stop), slice(b.k_start, b.k_stop)
-        o, lse = attend(q[:, rows], k[:, keys], v[:, keys], b.window_left, b.window_right)
+        o, lse = attend(q[:, rows], k[:, keys], v[:, keys], b.window_left, b.window_right,
+                        **_segments(q_segment_ids, kv, rows, keys))
         if unwritten[rows].all():
             o_new, lse_new = o.astype(jnp.float32), lse
         else:
@@ -196,13 +208,19 @@ def _after(payload, result):
     return lax.optimization_barrier((payload, result))
 
 
-def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: BlockForward):
+def _with_segments(k, v, kv_segment_ids) -> tuple:
+    return (k, v) if kv_segment_ids is None else (k, v, kv_segment_ids)
+
+
+def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: BlockForward,
+                 q_segment_ids=None, kv_segment_ids=None):
     """(o [B, Tq, Hq, Dv] in q's dtype, lse [B, Hq, Tq] float32) of this device's queries; the
-    keys and values go around the ring (one transfer of the (K, V) pair per step after the
-    first, issued before the step's computation)."""
+    keys and values (and their segment ids, [B, T] int32, if given) go around the ring (one
+    transfer per step after the first, issued before the step's computation)."""
     acc = _empty_forward(q, v)
     unwritten = np.ones(q.shape[1], bool)
-    kv, likes = (k, v), (_shape_of(k), _shape_of(v))
+    kv = _with_segments(k, v, kv_segment_ids)
+    likes = tuple(map(_shape_of, kv))
     payload = pack(kv) if len(plan.steps) > 1 else None
     for index, step in enumerate(plan.steps):
         last = index == len(plan.steps) - 1
@@ -211,7 +229,7 @@ def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: 
                 payload, acc = _after(payload, acc)
             # Issued before this step's computation; the block is passed on as it came.
             payload = send(payload, axis_name, plan.num_devices)
-        branch = functools.partial(_forward_blocks, attend, unwritten)
+        branch = functools.partial(_forward_blocks, attend, unwritten, q_segment_ids)
         acc = _run_step(step, axis_name, branch, q, kv, acc)
         unwritten = _touched_rows(step, unwritten)
         kv = None if last else unpack(payload, likes)
@@ -220,11 +238,13 @@ def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: 
 
 
 def whole_keys_forward(q, k, v, *, step: plans.Step, axis_name: AxisName,
-                       attend: BlockForward):
+                       attend: BlockForward, q_segment_ids=None, kv_segment_ids=None):
     """Forward with all keys and values on this device (k, v [B, Tk, Hkv, D] in global
     order), its queries in the layout `step` was planned for."""
-    branch = functools.partial(_forward_blocks, attend, np.ones(q.shape[1], bool))
-    o, lse = _run_step(step, axis_name, branch, q, (k, v), _empty_forward(q, v))
+    branch = functools.partial(_forward_blocks, attend, np.ones(q.shape[1], bool),
+                               q_segment_ids)
+    o, lse = _run_step(step, axis_name, branch, q, _with_segments(k, v, kv_segment_ids),
+                       _empty_forward(q, v))
     return o.astype(q.dtype), lse
 
 
@@ -234,17 +254,19 @@ def whole_keys_forward(q, k, v, *, step: plans.Step, axis_name: AxisName,
 
 
 def _backward_blocks(attend_bwd: BlockBackward, saved, blocks, kv, dq):
-    """This device's blocks against the keys `kv`: dq (float32, local) accumulated, and the
-    block's dk, dv contributions returned as float32 arrays shaped like kv (zero where none)."""
-    q, o, lse, do, dlse = saved
-    k, v = kv
+    """This device's blocks against the keys `kv` = (k, v[, kv_segment_ids]): dq (float32,
+    local) accumulated, and the block's dk, dv contributions returned as float32 arrays
+    shaped like k, v (zero where none)."""
+    q, o, lse, do, dlse, q_segment_ids = saved
+    k, v = kv[:2]
     gk, gv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
     unwritten = np.ones(k.shape[1], bool)  # key rows no block has written yet: no add needed
     for b in blocks:
         rows, keys = slice(b.q_start, b.q_stop), slice(b.k_start, b.k_stop)
         dq_b, dk_b, dv_b = attend_bwd(
             q[:, rows], k[:, keys], v[:, keys], o[:, rows], lse[..., rows], do[:, rows],
-            None if dlse is None else dlse[..., rows], b.window_left, b.window_right)
+            None if dlse is None else dlse[..., rows], b.window_left, b.window_right,
+            **_segments(q_segment_ids, kv, rows, keys))
         dq = replace_rows(dq, rows, dq[:, rows] + dq_b.astype(jnp.float32), axis=1)
         fresh = unwritten[keys].all()
         unwritten[keys] = False
@@ -256,7 +278,8 @@ def _backward_blocks(attend_bwd: BlockBackward, saved, blocks, kv, dq):
 
 
 def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
-                  axis_name: AxisName, attend_bwd: BlockBackward):
+                  axis_name: AxisName, attend_bwd: BlockBackward, q_segment_ids=None,
+                  kv_segment_ids=None):
     """(dq, dk, dv) in the dtypes of q, k, v, for the global o, lse of this device's queries
     and the cotangents do (and dlse, or None).
 
@@ -265,15 +288,16 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
     devices' keys run first and the device's own block last: the partial sums of the own
     block then come home during its computation."""
     n, steps = plan.num_devices, len(plan.steps)
-    saved = (q, o, lse, do, dlse)
+    saved = (q, o, lse, do, dlse, q_segment_ids)
     branch = functools.partial(_backward_blocks, attend_bwd, saved)
     dq = jnp.zeros_like(q, jnp.float32)
-    kv_likes = (_shape_of(k), _shape_of(v))
+    own = _with_segments(k, v, kv_segment_ids)
+    kv_likes = tuple(map(_shape_of, own))
     sum_likes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (k, v))
     home = None  # the other devices' share of this device's dk, dv
     if steps > 1:
         # Step 1's keys: the device's own, sent before anything else (nothing to wait for).
-        kv_words = send(pack((k, v)), axis_name, n)
+        kv_words = send(pack(own), axis_name, n)
         kv = unpack(kv_words, kv_likes)
         kv_count = sum(map(_word_count, kv_likes))
         finished = None  # partial sums of the block this device held in the previous step
@@ -297,7 +321,7 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
         # while the device computes its own block.
         home = unpack(send(pack(finished), axis_name, n, shift=-(steps - 1)), sum_likes)
     if plan.steps:
-        dq, (dk, dv) = _run_step(plan.steps[0], axis_name, branch, (k, v), dq)
+        dq, (dk, dv) = _run_step(plan.steps[0], axis_name, branch, own, dq)
     else:
         dk, dv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
     if home is not None:
@@ -306,11 +330,14 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
 
 
 def whole_keys_backward(q, k, v, o, lse, do, dlse=None, *, step: plans.Step,
-                        axis_name: AxisName, attend_bwd: BlockBackward):
+                        axis_name: AxisName, attend_bwd: BlockBackward, q_segment_ids=None,
+                        kv_segment_ids=None):
     """(dq in q's dtype, dk, dv float32 over all keys: this device's share, to be summed
     over the devices) with all keys and values on this device."""
-    branch = functools.partial(_backward_blocks, attend_bwd, (q, o, lse, do, dlse))
-    dq, (gk, gv) = _run_step(step, axis_name, branch, (k, v), jnp.zeros_like(q, jnp.float32))
+    branch = functools.partial(_backward_blocks, attend_bwd,
+                               (q, o, lse, do, dlse, q_segment_ids))
+    dq, (gk, gv) = _run_step(step, axis_name, branch, _with_segments(k, v, kv_segment_ids),
+                             jnp.zeros_like(q, jnp.float32))
     return dq.astype(q.dtype), gk, gv
 
 
@@ -357,6 +384,13 @@ def balanced_to_contiguous(x, axis_name: AxisName, n: int, *, axis: int):
 # ----------------------------------------------------------------------------------------------
 # flash_attention on a sequence-sharded input under jit: the partitioning rule's per-device
 # program. The user's arrays are split contiguously along the sequence over `axis_name`.
+#
+# Packed sequences: the executors above take q_segment_ids / kv_segment_ids (the keys' travel
+# with K/V in the same payload; every block gets its slices). When the kernel calls gain those
+# operands (layouts "b tq" / "b tk"), they follow q and k here: the same layout permutation,
+# then ring_forward(..., q_segment_ids=, kv_segment_ids=). Lengths map onto segment ids
+# (positions past a row's length: id -1 for queries, -2 for keys, so that they see and are seen
+# by nothing) wherever the alignment does not depend on them: q_len == kv_len, or top-left.
 
 
 class SequencePlan:
@@ -427,7 +461,11 @@ def _choose_exchange(n, tq_local, tk_local, heads_q, heads_kv, head_dim, value_d
     if forced in (RING, ALL_GATHER):
         return forced
     if forced != "auto":
-        raise ValueError(f"{EXCHANGE_ENV} must be 'ring', 'all_gather' or 'auto', got {forced!r}")
+        # This runs inside XLA's partitioner, where an exception would end the compilation
+        # (or the process): say so and choose as if unset.
+        from tk_jax._partitioning import _warn_once
+        _warn_once(f"env-{forced}", f"tk_jax: {EXCHANGE_ENV} must be 'ring', 'all_gather' or "
+                                    f"'auto', got {forced!r}; ignored")
     steps = n - 1
     q_elems = tq_local * heads_q * head_dim
     kv_elems = tk_local * heads_kv * (head_dim + value_dim)
@@ -444,14 +482,15 @@ def _kernel_calls(fn, static: dict, *, backward: bool):
     if "bottom_right" in base:  # blocks are planned bottom-right aligned on their rectangle
         base["bottom_right"] = True
     if backward:
-        def attend_bwd(q, k, v, o, lse, do, dlse, window_left, window_right):
+        def attend_bwd(q, k, v, o, lse, do, dlse, window_left, window_right, **segments):
             extra = () if dlse is None else (dlse,)
             return tuple(fn(q, k, v, o, lse, do, *extra, window_left=window_left,
-                            window_right=window_right, **base))
+                            window_right=window_right, **base, **segments))
         return attend_bwd
 
-    def attend(q, k, v, window_left, window_right):
-        return tuple(fn(q, k, v, window_left=window_left, window_right=window_right, **base))
+    def attend(q, k, v, window_left, window_right, **segments):
+        return tuple(fn(q, k, v, window_left=window_left, window_right=window_right, **base,
+                        **segments))
     return attend
 
 

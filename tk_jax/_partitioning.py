@@ -265,12 +265,12 @@ class _SplitPlan:
                     continue
                 if name in SEQUENCE_DIMS:
                     _warn_once("sequence", (
-                        "tk_jax: an input is sharded along the sequence axis in a way the "
-                        "kernel call cannot split (the keys but not the queries, a split that "
-                        "does not divide the sequence, or kv heads picked per device); it "
-                        "gathers the whole sequence on every device (correct but "
-                        "memory-hungry). Split the queries' sequence evenly for context "
-                        "parallelism."))
+                        "tk_jax: an input is sharded along the sequence axis in a way this "
+                        "kernel call does not split (a Based call; for attention: the keys but "
+                        "not the queries, a split that does not divide the sequence, or kv "
+                        "heads picked per device); it gathers the whole sequence on every "
+                        "device (correct but memory-hungry). Attention with the queries' "
+                        "sequence split evenly runs context-parallel."))
                 else:
                     _warn_once(f"dim-{name}", (
                         f"tk_jax: an attention input is sharded along its {name!r} dimension; "

@@ -127,14 +127,15 @@ def _ring_size(axis_name: AxisName) -> int:
 def _block_calls(scale, backend):
     """The kernels (or the reference) on one block of local shards, called directly (not
     through the partitioning rule: the blocks are local already)."""
-    def attend(q, k, v, window_left, window_right):
+    def attend(q, k, v, window_left, window_right, **segments):
         return attention_fwd_impl(q, k, v, scale=scale, window_left=window_left,
-                                  window_right=window_right, backend=backend, local=True)
+                                  window_right=window_right, backend=backend, local=True,
+                                  **segments)
 
-    def attend_bwd(q, k, v, o, lse, do, dlse, window_left, window_right):
+    def attend_bwd(q, k, v, o, lse, do, dlse, window_left, window_right, **segments):
         return attention_bwd_impl(q, k, v, o, lse, do, scale=scale, window_left=window_left,
                                   window_right=window_right, backend=backend, dlse=dlse,
-                                  local=True)
+                                  local=True, **segments)
     return attend, attend_bwd
 
 
