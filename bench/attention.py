@@ -92,13 +92,15 @@ def jax_attention_runner(attend, config: AttentionConfig) -> Runner:
 # ---------------------------------------------------------------------------------------------
 # Contenders.
 
-def _tk_contender(backend: str) -> Contender:
-    def prepare(config: AttentionConfig) -> Runner:
+def tk_contender(backend: str, runner=jax_attention_runner) -> Contender:
+    """tk_jax.flash_attention; `runner(attend, config)` builds the inputs of a configuration
+    (this suite's, or another suite's with the same t, d and causal fields)."""
+    def prepare(config) -> Runner:
         import tk_jax
 
         attend = functools.partial(tk_jax.flash_attention, causal=config.causal, backend=backend)
         try:
-            return jax_attention_runner(attend, config)
+            return runner(attend, config)
         except ValueError as err:  # backend="kernel" declines what it cannot run
             raise Unsupported(str(err)) from None
 
@@ -111,15 +113,15 @@ def _tk_contender(backend: str) -> Contender:
         version=lambda: distribution_version("tk_jax"))
 
 
-def _jax_nn_contender(implementation: str, max_t: int | None) -> Contender:
-    def prepare(config: AttentionConfig) -> Runner:
+def jax_nn_contender(implementation: str, max_t: int | None, runner=jax_attention_runner) -> Contender:
+    def prepare(config) -> Runner:
         import jax
 
         if max_t is not None and config.t > max_t:
             raise Skipped(f"T > {max_t}: the {implementation} path materialises T x T scores")
         attend = functools.partial(jax.nn.dot_product_attention, is_causal=config.causal,
                                    implementation=implementation)
-        return jax_attention_runner(attend, config)
+        return runner(attend, config)
 
     return Contender(
         name=implementation,
@@ -130,10 +132,10 @@ def _jax_nn_contender(implementation: str, max_t: int | None) -> Contender:
         version=lambda: distribution_version("jax"))
 
 
-def _fa3_contender() -> Contender:
+def fa3_contender(runner=jax_attention_runner) -> Contender:
     # flash_attn3_jax.flash_mha(q, k, v, softmax_scale=None, is_causal=False,
     # window_size=(-1, -1)): [B, T, H, D] bf16/fp16, returns o; custom_vjp gives the backward.
-    def prepare(config: AttentionConfig) -> Runner:
+    def prepare(config) -> Runner:
         if config.d > FA3_MAX_HEAD_DIM:
             # Checked here rather than discovered: an unsupported head dim fails inside the
             # C++ extension, which we do not want to risk taking the process down.
@@ -142,7 +144,7 @@ def _fa3_contender() -> Contender:
         import flash_attn3_jax
 
         attend = functools.partial(flash_attn3_jax.flash_mha, is_causal=config.causal)
-        return jax_attention_runner(attend, config)
+        return runner(attend, config)
 
     return Contender(
         name="fa3",
@@ -156,8 +158,8 @@ def _fa3_contender() -> Contender:
 def contenders(tk_backend: str = "kernel") -> list[Contender]:
     """All attention contenders in report column order."""
     return [
-        _tk_contender(tk_backend),
-        _jax_nn_contender("cudnn", max_t=None),
-        _fa3_contender(),
-        _jax_nn_contender("xla", max_t=XLA_MAX_T),
+        tk_contender(tk_backend),
+        jax_nn_contender("cudnn", max_t=None),
+        fa3_contender(),
+        jax_nn_contender("xla", max_t=XLA_MAX_T),
     ]

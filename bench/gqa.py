@@ -11,11 +11,10 @@ when causal, forward+backward 3.5x the forward.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
-from bench import (BASELINE, OURS, PEER, Contender, Outcome, Unsupported, distribution_version,
-                   module_unavailable, pass_name, random_normal_sets)
+from bench import OURS, PEER, Contender, Outcome, attention, pass_name, random_normal_sets
+from bench.attention import BACKWARD_FLOP_FACTOR
 from bench.timing import Runner, compiled_jax_runner, input_sets_needed
 
 TOKENS = 16384                 # tokens per step: B = TOKENS / T
@@ -27,8 +26,6 @@ FULL_T = (1024, 2048, 4096, 8192, 16384)
 D_GRID = (64, 128, 256)
 QUICK = dict(t=(4096,), d=(128,), ratios=(1, 8, MQA), causal=(True,))
 TINY_TOKENS, TINY_WIDTH, TINY_T, TINY_D = 256, 128, (64,), (32,)  # CPU smoke test
-FA3_MAX_HEAD_DIM = 128         # the flash_attn3_jax wheel ships kernels up to head dim 128
-BACKWARD_FLOP_FACTOR = 2.5
 SECONDS_PER_CELL = 2.5         # rough H100 cost of one cell (3 compiles, settle, samples)
 
 
@@ -138,64 +135,11 @@ def gqa_runner(attend, config: GqaConfig) -> Runner:
     return compiled_jax_runner(attend, sets, backward=config.backward)
 
 
-def tk_contender(backend: str = "kernel") -> Contender:
-    def prepare(config: GqaConfig) -> Runner:
-        import tk_jax
-
-        attend = functools.partial(tk_jax.flash_attention, causal=config.causal, backend=backend)
-        try:
-            return gqa_runner(attend, config)
-        except ValueError as err:  # backend="kernel" declines what it cannot run
-            raise Unsupported(str(err)) from None
-
-    return Contender(
-        name="tk" if backend == "kernel" else f"tk_{backend}",
-        description=f'tk_jax.flash_attention(backend="{backend}")',
-        role=OURS if backend == "kernel" else BASELINE,
-        unavailable=lambda: module_unavailable("tk_jax"),
-        prepare=prepare,
-        version=lambda: distribution_version("tk_jax"))
-
-
-def cudnn_contender() -> Contender:
-    def prepare(config: GqaConfig) -> Runner:
-        import jax
-
-        attend = functools.partial(jax.nn.dot_product_attention, is_causal=config.causal,
-                                   implementation="cudnn")
-        return gqa_runner(attend, config)
-
-    return Contender(
-        name="cudnn",
-        description='jax.nn.dot_product_attention(implementation="cudnn")',
-        role=PEER, unavailable=lambda: None, prepare=prepare,
-        version=lambda: distribution_version("jax"))
-
-
-def fa3_contender() -> Contender:
-    # flash_attn3_jax.flash_mha(q, k, v, softmax_scale=None, is_causal=False, window_size):
-    # [B, T, H, D], K/V heads dividing the query heads.
-    def prepare(config: GqaConfig) -> Runner:
-        if config.d > FA3_MAX_HEAD_DIM:
-            # Declined here: an unsupported head dim fails inside the C++ extension.
-            raise Unsupported(f"the flash_attn3_jax wheel supports head dim <= "
-                              f"{FA3_MAX_HEAD_DIM}, got {config.d}")
-        import flash_attn3_jax
-
-        attend = functools.partial(flash_attn3_jax.flash_mha, is_causal=config.causal)
-        return gqa_runner(attend, config)
-
-    return Contender(
-        name="fa3",
-        description="flash_attn3_jax.flash_mha (FlashAttention-3 for JAX)",
-        role=PEER,
-        unavailable=lambda: module_unavailable("flash_attn3_jax"),
-        prepare=prepare,
-        version=lambda: distribution_version("flash_attn3_jax"))
-
-
 def contenders(tk_backend: str = "kernel") -> list[Contender]:
-    return [tk_contender(tk_backend), cudnn_contender(), fa3_contender()]
+    """The attention suite's tk, cuDNN and FA3 contenders on this suite's GQA inputs."""
+    return [attention.tk_contender(tk_backend, gqa_runner),
+            attention.jax_nn_contender("cudnn", None, gqa_runner),
+            attention.fa3_contender(gqa_runner)]
 
 
 # ---------------------------------------------------------------------------------------------
