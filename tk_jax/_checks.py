@@ -66,6 +66,18 @@ def check_backend_name(backend, op: str) -> None:
 # Softmax attention (flash_attention and ring_attention take the same q, k, v and scale).
 
 
+def check_window(window_size, causal, op: str) -> tuple[int, int]:
+    """(window_left, window_right) from `window_size`, a pair of ints each -1 (unbounded) or
+    >= 0, and the bool `causal`, which sets window_right to 0."""
+    accepted = "a pair (window_left, window_right) of ints, each -1 (unbounded) or >= 0"
+    if not isinstance(window_size, (tuple, list)) or not all(is_int(w) for w in window_size):
+        raise TypeError(f"{op}: window_size must be {accepted}, got {window_size!r}")
+    if len(window_size) != 2 or any(w < -1 for w in window_size):
+        raise ValueError(f"{op}: window_size must be {accepted}, got {window_size!r}")
+    check_bool(causal, "causal", op)
+    return int(window_size[0]), 0 if causal else int(window_size[1])
+
+
 def check_attention_qkv(q, k, v, op: str) -> None:
     """q [..., Tq, Hq, D], k and v [..., Tk, Hkv, D]: one float dtype, the same leading batch
     dims and head_dim, Hq a positive multiple of Hkv."""

@@ -28,8 +28,8 @@ from jax.typing import ArrayLike
 
 from tk_jax import _kernels, _partitioning, kvcache
 from tk_jax._backend import select_backend
-from tk_jax._checks import (check_attention_qkv, check_backend_name, check_bool,
-                            check_index_array, is_int, resolve_softmax_scale)
+from tk_jax._checks import (check_attention_qkv, check_backend_name, check_bool, check_index_array,
+                            check_window, resolve_softmax_scale)
 from tk_jax.reference import attention as reference_attention
 
 OP = "flash_attention"
@@ -103,12 +103,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     """
     check_attention_qkv(q, k, v, OP)
     scale = resolve_softmax_scale(softmax_scale, head_dim=q.shape[-1], op=OP)
-    window_left, window_right = _check_window_size(window_size)
-    check_bool(causal, "causal", OP)
+    window_left, window_right = check_window(window_size, causal, OP)
     check_bool(return_lse, "return_lse", OP)
     check_backend_name(backend, OP)
-    if causal:
-        window_right = 0
     masks = check_flash_masks(q, k, q_segment_ids, kv_segment_ids, q_seq_lengths,
                               kv_seq_lengths)
     return attend(q, k, v, scale=scale, window_left=window_left, window_right=window_right,
@@ -325,14 +322,6 @@ def _fold_masks(masks: AttentionMasks, tq: int, tk: int) -> AttentionMasks:
     return AttentionMasks(ids(masks.q_segment_ids), ids(masks.kv_segment_ids),
                           length(masks.q_seq_lengths, tq), length(masks.kv_seq_lengths, tk))
 
-
-def _check_window_size(window_size) -> tuple[int, int]:
-    accepted = "a pair (window_left, window_right) of ints, each -1 (unbounded) or >= 0"
-    if not isinstance(window_size, (tuple, list)) or not all(is_int(w) for w in window_size):
-        raise TypeError(f"{OP}: window_size must be {accepted}, got {window_size!r}")
-    if len(window_size) != 2 or any(w < -1 for w in window_size):
-        raise ValueError(f"{OP}: window_size must be {accepted}, got {window_size!r}")
-    return int(window_size[0]), int(window_size[1])
 
 
 def _check_resolved(backend) -> None:

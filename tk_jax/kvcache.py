@@ -26,7 +26,7 @@ from jax import lax
 
 from tk_jax import _backend, _kernels, _partitioning
 from tk_jax._checks import (FLOAT_DTYPES, check_array, check_backend_name, check_bool, check_same,
-                            is_int, resolve_softmax_scale)
+                            check_window, is_int, resolve_softmax_scale)
 from tk_jax.reference.kvcache import cache_capacity, kvcache_attention_forward
 
 OP = "flash_attention_with_kvcache"
@@ -100,12 +100,9 @@ def flash_attention_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.
     """
     _check_arrays(q, k_cache, v_cache, k_new, v_new, page_table)
     scale = resolve_softmax_scale(softmax_scale, head_dim=q.shape[-1], op=OP)
-    window_left, window_right = _check_window_size(window_size)
-    check_bool(causal, "causal", OP)
+    window_left, window_right = check_window(window_size, causal, OP)
     check_bool(return_lse, "return_lse", OP)
     check_backend_name(backend, OP)
-    if causal:
-        window_right = 0
     cache_seqlens = _check_cache_seqlens(cache_seqlens, q.shape[0])
     capacity = cache_capacity(k_cache, page_table)
     new_tokens = 0 if k_new is None else k_new.shape[1]
@@ -335,12 +332,3 @@ def _check_cache_seqlens(cache_seqlens, batch: int) -> jax.Array:
         cache_seqlens = np.asarray(cache_seqlens)
     _check_integer_array(cache_seqlens, "cache_seqlens", (batch,), "[B] (or a Python int)")
     return jnp.asarray(cache_seqlens).astype(jnp.int32)
-
-
-def _check_window_size(window_size) -> tuple[int, int]:
-    accepted = "a pair (window_left, window_right) of ints, each -1 (unbounded) or >= 0"
-    if not isinstance(window_size, (tuple, list)) or not all(is_int(w) for w in window_size):
-        raise TypeError(f"{OP}: window_size must be {accepted}, got {window_size!r}")
-    if len(window_size) != 2 or any(w < -1 for w in window_size):
-        raise ValueError(f"{OP}: window_size must be {accepted}, got {window_size!r}")
-    return int(window_size[0]), int(window_size[1])

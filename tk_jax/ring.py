@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tk_jax._checks import (check_attention_qkv, check_backend_name, check_bool, is_int,
-                            resolve_softmax_scale)
+from tk_jax._checks import (check_attention_qkv, check_backend_name, check_bool, check_window,
+                            is_int, resolve_softmax_scale)
 from tk_jax._context_parallel import ring_backward, ring_forward
 from tk_jax._ring_plan import CONTIGUOUS, LOAD_BALANCED, ring_plan
 from tk_jax.attention import (attention_bwd_impl, attention_fwd_impl, choose_backend,
@@ -78,12 +78,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
     """
     check_attention_qkv(q, k, v, RING_OP)
     scale = resolve_softmax_scale(softmax_scale, head_dim=q.shape[-1], op=RING_OP)
-    window_left, window_right = _check_window_size(window_size)
-    check_bool(causal, "causal", RING_OP)
+    window_left, window_right = check_window(window_size, causal, RING_OP)
     check_bool(load_balanced, "load_balanced", RING_OP)
     check_backend_name(backend, RING_OP)
-    if causal:
-        window_right = 0
     if q.shape[-3] != k.shape[-3]:
         raise ValueError(
             f"{RING_OP}: q and k must hold the same part of one sequence (self-attention): got "
@@ -105,14 +102,6 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
     o = _ring(q4, k4, v4, axis_name, scale, plan, resolved)
     return o.reshape(batch_shape + o.shape[1:])
 
-
-def _check_window_size(window_size) -> tuple[int, int]:
-    accepted = "a pair (window_left, window_right) of ints, each -1 (unbounded) or >= 0"
-    if not isinstance(window_size, (tuple, list)) or not all(is_int(w) for w in window_size):
-        raise TypeError(f"{RING_OP}: window_size must be {accepted}, got {window_size!r}")
-    if len(window_size) != 2 or any(w < -1 for w in window_size):
-        raise ValueError(f"{RING_OP}: window_size must be {accepted}, got {window_size!r}")
-    return int(window_size[0]), int(window_size[1])
 
 
 def _ring_size(axis_name: AxisName) -> int:
