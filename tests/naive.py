@@ -50,7 +50,8 @@ def attention_mask(batch: int, tq: int, tk: int, window_left: int, window_right:
     offset = kv_len - q_len if bottom_right else 0
     mask = (i < q_len) & (j < kv_len)
     if q_segment_ids is not None:
-        mask = mask & (np.asarray(q_segment_ids)[:, :, None] == np.asarray(kv_segment_ids)[:, None, :])
+        q_ids, kv_ids = np.asarray(q_segment_ids), np.asarray(kv_segment_ids)
+        mask = mask & (q_ids[:, :, None] == kv_ids[:, None, :])
     if window_left >= 0:
         mask = mask & (j >= i + offset - window_left)
     if window_right >= 0:
