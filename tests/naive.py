@@ -135,7 +135,9 @@ def naive_attention_grads(q, k, v, do, scale, window_left, window_right, dlse=No
 
     def sum_groups(x):  # [B, Hq, Tk, D] -> [B, Tk, Hkv, D]: repeated kv heads add up
         b, hq, t, d = x.shape
-        return x.reshape(b, kv_heads, hq // kv_heads, t, d).sum(axis=2).transpose(0, 2, 1, 3)
+        with np.errstate(invalid="ignore"):  # NaN + inf where non-finite inputs reach
+            x = x.reshape(b, kv_heads, hq // kv_heads, t, d).sum(axis=2)
+        return x.transpose(0, 2, 1, 3)
 
     return dq.transpose(0, 2, 1, 3), sum_groups(dk), sum_groups(dv)
 
