@@ -50,7 +50,8 @@ def attention_mask(batch: int, tq: int, tk: int, window_left: int, window_right:
     offset = kv_len - q_len if bottom_right else 0
     mask = (i < q_len) & (j < kv_len)
     if q_segment_ids is not None:
-        mask = mask & (np.asarray(q_segment_ids)[:, :, None] == np.asarray(kv_segment_ids)[:, None, :])
+        q_ids, kv_ids = np.asarray(q_segment_ids), np.asarray(kv_segment_ids)
+        mask = mask & (q_ids[:, :, None] == kv_ids[:, None, :])
     if window_left >= 0:
         mask = mask & (j >= i + offset - window_left)
     if window_right >= 0:
@@ -134,7 +135,9 @@ def naive_attention_grads(q, k, v, do, scale, window_left, window_right, dlse=No
 
     def sum_groups(x):  # [B, Hq, Tk, D] -> [B, Tk, Hkv, D]: repeated kv heads add up
         b, hq, t, d = x.shape
-        return x.reshape(b, kv_heads, hq // kv_heads, t, d).sum(axis=2).transpose(0, 2, 1, 3)
+        with np.errstate(invalid="ignore"):  # NaN + inf where non-finite inputs reach
+            x = x.reshape(b, kv_heads, hq // kv_heads, t, d).sum(axis=2)
+        return x.transpose(0, 2, 1, 3)
 
     return dq.transpose(0, 2, 1, 3), sum_groups(dk), sum_groups(dv)
 

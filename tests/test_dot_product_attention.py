@@ -218,3 +218,52 @@ def test_arguments_are_checked(call, error, match):
     k, v = jnp.zeros(shapes["k"]), jnp.zeros(shapes["v"])
     with pytest.raises(error, match="^dot_product_attention: .*" + match):
         tk_jax.dot_product_attention(q, k, v, **call)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the kernels themselves through implementation="tk" (run with -m gpu on a Hopper GPU).
+
+GPU_CONFIGS = {
+    # name: (B, T, S, N, K, kwargs)
+    "causal T<S GQA lengths": (2, 200, 333, 8, 2, dict(
+        is_causal=True, query_seq_lengths=np.array([200, 77], np.int32),
+        key_value_seq_lengths=np.array([333, 150], np.int32))),
+    "window T>S MQA": (1, 300, 190, 4, 1, dict(local_window_size=(64, 17))),
+    "full, lengths with 0": (3, 129, 129, 4, 4, dict(
+        query_seq_lengths=np.array([129, 0, 50], np.int32),
+        key_value_seq_lengths=np.array([1, 129, 0], np.int32))),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("name", list(GPU_CONFIGS))
+def test_kernel_matches_jax_nn_on_gpu(hopper, rng, name, head_dim, dtype):
+    """Forward, residual and gradients of the kernel (implementation="tk") against jax.nn's
+    XLA path in float32 on the same half-precision values; rows that see no key compared
+    as in test_matches_jax_nn_xla, outputs poisoned before each launch."""
+    from gpu_util import poison_device_memory
+    b, t, s, n, k_heads, kwargs = GPU_CONFIGS[name]
+    q, do = (jnp.asarray(rng.standard_normal((b, t, n, head_dim)), dtype) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((b, s, k_heads, head_dim)), dtype)
+            for _ in range(2))
+    empty = ~visible(q.shape, k.shape, kwargs).any(axis=-1)
+    do = jnp.where(jnp.asarray(empty)[..., None, None], 0, do)
+    poison_device_memory(8 * (q.size + k.size) * 4)
+    o, residual, grads = outputs_and_grads(
+        functools.partial(tk_jax.dot_product_attention, implementation="tk", **kwargs),
+        q, k, v, do)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    o_ref, residual_ref, grads_ref = outputs_and_grads(
+        functools.partial(jax.nn.dot_product_attention, implementation="xla", **kwargs), *f32)
+    as64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    seen = ~empty
+    assert np.isfinite(as64(o)).all() and all(np.isfinite(as64(g)).all() for g in grads)
+    assert relative_l2(as64(o)[seen], as64(o_ref)[seen]) < 1e-2
+    assert np.all(as64(o)[empty] == 0) and np.all(np.isneginf(as64(residual)[empty]))
+    np.testing.assert_allclose(as64(residual)[seen], as64(residual_ref)[seen], rtol=2e-2,
+                               atol=2e-2)
+    for grad_name, g, g_ref in zip("qkv", grads, grads_ref):
+        err = relative_l2(as64(g), as64(g_ref))
+        assert err < 1e-2, f"d{grad_name}: relative L2 error {err:.3g}"

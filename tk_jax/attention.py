@@ -98,8 +98,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     Returns:
       o [..., Tq, Hq, D] in q's dtype, and with return_lse also lse [..., Hq, Tq] float32.
       A query that sees no key (padding, or emptied by the masks) gets o = 0, lse = -inf and
-      zero gradients. A NaN or inf in q, k or v reaches the rows that see it (NaN o and lse),
-      forward and backward alike, as in plain softmax attention.
+      zero gradients. A NaN or inf in q, k or v reaches the rows that see it (NaN o, and NaN
+      lse for q and k), forward and backward alike, as in plain softmax attention; a score of
+      -inf weighs nothing, like a masked one.
     """
     check_attention_qkv(q, k, v, OP)
     scale = resolve_softmax_scale(softmax_scale, head_dim=q.shape[-1], op=OP)

@@ -8,4 +8,5 @@ from tk_jax.nn.short_conv import GatedShortConv, causal_depthwise_conv
 from tk_jax.nn.sliding_window import SlidingWindowAttention
 
 __all__ = ["attention_fn", "BasedLinearAttention", "SlidingWindowAttention", "GatedShortConv",
-           "SwiGLU", "BasedConfig", "BasedLM", "Block", "based_layer_pattern", "causal_depthwise_conv"]
+           "SwiGLU", "BasedConfig", "BasedLM", "Block", "based_layer_pattern",
+           "causal_depthwise_conv"]

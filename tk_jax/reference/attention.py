@@ -246,7 +246,7 @@ def attention_forward(q, k, v, *, scale: float, window_left: int, window_right: 
     seen = l != 0
     l_safe = jnp.where(seen, l, 1.0)
     o = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
-    o = jnp.where(spoiled[:, :, None, :, None], jnp.nan, o)
+    o = jnp.where((spoiled[:, :, None, :] & seen)[..., None], jnp.nan, o)
     lse = jnp.where(seen, jnp.where(seen, m, 0.0) + jnp.log(l_safe), -jnp.inf)
     return _ungroup_queries(o).astype(q.dtype), lse.reshape(b, hq, tq)
 
