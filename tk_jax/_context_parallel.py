@@ -385,12 +385,9 @@ def balanced_to_contiguous(x, axis_name: AxisName, n: int, *, axis: int):
 # flash_attention on a sequence-sharded input under jit: the partitioning rule's per-device
 # program. The user's arrays are split contiguously along the sequence over `axis_name`.
 #
-# Packed sequences: the executors above take q_segment_ids / kv_segment_ids (the keys' travel
-# with K/V in the same payload; every block gets its slices). When the kernel calls gain those
-# operands (layouts "b tq" / "b tk"), they follow q and k here: the same layout permutation,
-# then ring_forward(..., q_segment_ids=, kv_segment_ids=). Lengths map onto segment ids
-# (positions past a row's length: id -1 for queries, -2 for keys, so that they see and are seen
-# by nothing) wherever the alignment does not depend on them: q_len == kv_len, or top-left.
+# Masks: the call's segment ids (layouts "b tq" / "b tk") are split like q and k, take the same
+# layout permutation, and reach the executors (the keys' travel with K/V in one payload; every
+# block gets its slices). Lengths become segment ids (see takes and _segment_ids).
 
 
 class SequencePlan:
