@@ -180,7 +180,7 @@ def _intersection(a, b) -> float:
 
 def _classify(name: str, stats: dict) -> str:
     text = (name + " " + str(stats.get("hlo_op", ""))).lower()
-    if "nccl" in text or any(k in text for k in ASYNC_PAIRS):
+    if "nccl" in text or "p2p" in text or "peer" in text or any(k in text for k in ASYNC_PAIRS):
         return "comm"
     if "memcpy" in text or "memset" in text:
         return "copy"

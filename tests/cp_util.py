@@ -23,26 +23,31 @@ except ImportError:
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _visible(tq, tk, window_left, window_right):
-    i = jnp.arange(tq)[:, None] + (tk - tq)
-    j = jnp.arange(tk)[None, :]
-    mask = jnp.ones((tq, tk), bool)
+def _visible(b, tq, tk, window_left, window_right, q_segment_ids=None, kv_segment_ids=None,
+             q_seq_lengths=None, kv_seq_lengths=None, bottom_right=True):
+    """[B, Tq, Tk] bool: the contract's mask (tk_jax's BRIEF): lengths, segment ids, window."""
+    q_len = jnp.full((b,), tq) if q_seq_lengths is None else q_seq_lengths
+    kv_len = jnp.full((b,), tk) if kv_seq_lengths is None else kv_seq_lengths
+    offset = (kv_len - q_len if bottom_right else jnp.zeros((b,), jnp.int32))[:, None, None]
+    i = jnp.arange(tq)[None, :, None]
+    j = jnp.arange(tk)[None, None, :]
+    mask = (i < q_len[:, None, None]) & (j < kv_len[:, None, None])
     if window_left >= 0:
-        mask &= j >= i - window_left
+        mask &= j >= i + offset - window_left
     if window_right >= 0:
-        mask &= j <= i + window_right
+        mask &= j <= i + offset + window_right
+    if q_segment_ids is not None:
+        mask &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     return mask
 
 
-def _scores(q, k, scale, window_left, window_right, q_segment_ids=None, kv_segment_ids=None):
+def _scores(q, k, scale, window_left, window_right, **masks):
     """Masked scores [B, Hkv, G, Tq, Tk] (float32) and the query heads grouped by kv head."""
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.astype(jnp.float32).reshape(b, tq, hkv, hq // hkv, d)
     s = scale * jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision=_HIGHEST)
-    mask = _visible(tq, k.shape[1], window_left, window_right)[None]
-    if q_segment_ids is not None:
-        mask = mask & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+    mask = _visible(b, tq, k.shape[1], window_left, window_right, **masks)
     return jnp.where(mask[:, None, None], s, -jnp.inf), qg
 
 
@@ -51,10 +56,9 @@ def _probabilities(s, lse):
     return jnp.where(jnp.isneginf(s), 0.0, jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse)))
 
 
-def dense_attention_fwd(q, k, v, *, scale, window_left, window_right, q_segment_ids=None,
-                        kv_segment_ids=None, **unused):
+def dense_attention_fwd(q, k, v, *, scale, window_left, window_right, **masks):
     b, tq, hq, _ = q.shape
-    s, _ = _scores(q, k, scale, window_left, window_right, q_segment_ids, kv_segment_ids)
+    s, _ = _scores(q, k, scale, window_left, window_right, **masks)
     lse = jax.nn.logsumexp(s, axis=-1)  # -inf for a row that sees nothing
     o = jnp.einsum("bhgqk,bkhe->bqhge", _probabilities(s, lse), v.astype(jnp.float32),
                    precision=_HIGHEST)
@@ -62,11 +66,11 @@ def dense_attention_fwd(q, k, v, *, scale, window_left, window_right, q_segment_
 
 
 def dense_attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale, window_left, window_right,
-                        q_segment_ids=None, kv_segment_ids=None, **unused):
+                        **masks):
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    s, qg = _scores(q, k, scale, window_left, window_right, q_segment_ids, kv_segment_ids)
+    s, qg = _scores(q, k, scale, window_left, window_right, **masks)
     p = _probabilities(s, lse.reshape(b, hkv, g, tq))
     dog = do.astype(jnp.float32).reshape(b, tq, hkv, g, -1)
     og = o.astype(jnp.float32).reshape(b, tq, hkv, g, -1)

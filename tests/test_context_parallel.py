@@ -569,6 +569,97 @@ def test_ring_carries_segment_ids(rng, layout):
     assert not np.asarray(back(grads[0]))[:, -5:].any()
 
 
+def _packed_segments(rng, batch, t, pad):
+    """Segment ids of packed documents ([B, T] int32, 4 documents a row) and, for `pad`
+    positions at the end, ids that match nothing (queries -1, keys -2)."""
+    bounds = np.sort(rng.choice(np.arange(1, t - pad), size=(batch, 3), replace=False), axis=1)
+    seg = (np.arange(t)[None, :, None] >= bounds[:, None, :]).sum(-1).astype(np.int32)
+    q_seg, kv_seg = seg.copy(), seg.copy()
+    if pad:
+        q_seg[:, -pad:], kv_seg[:, -pad:] = -1, -2
+    return q_seg, kv_seg
+
+
+def test_ring_attention_with_segment_ids(dense, rng):
+    n, t = 4, 32
+    q, k, v, do = random_arrays(rng, *[(2, t, 2, 8)] * 4)
+    q_seg, kv_seg = _packed_segments(rng, 2, t, pad=3)
+    o_ref, _, grads_ref = _segment_oracle(q, k, v, do, q_seg, kv_seg, window=(-1, 0))
+    rows = P(None, "seq")
+
+    def attend(q, k, v, q_seg, kv_seg):
+        return tk_jax.ring_attention(q, k, v, axis_name="seq", causal=True, backend=dense,
+                                     q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+
+    ring = jax.shard_map(attend, mesh=mesh_of((n,), ("seq",)), in_specs=(rows,) * 5,
+                         out_specs=rows)
+
+    def outputs(q, k, v, do, q_seg, kv_seg):
+        return outputs_and_grads(lambda q, k, v: ring(q, k, v, q_seg, kv_seg))(q, k, v, do)
+
+    there = lambda x: tk_jax.to_load_balanced(jnp.asarray(x), n, axis=1)  # noqa: E731
+    back = lambda x: tk_jax.from_load_balanced(x, n, axis=1)  # noqa: E731
+    o, grads = jax.jit(outputs)(*(there(x) for x in (q, k, v, do, q_seg, kv_seg)))
+    assert_close(back(o), o_ref, "o", TOL)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_close(back(g), g_ref, name, TOL)
+
+
+@pytest.mark.parametrize("route", ["segment ids, causal", "lengths, top-left (jax.nn)"])
+def test_sequence_sharded_masks_run_context_parallel(dense, rng, route):
+    """Packed sequences on a sequence-sharded input: segment ids split like q and k (the keys'
+    ids travel with them), and jax.nn's lengths (top-left aligned) as padding ids: no gather,
+    the oracle's result."""
+    n, t, b = 4, 32, 2
+    mesh = mesh_of((n,), ("seq",))
+    q, k, v, do = random_arrays(rng, *[(b, t, 2, 8)] * 4)
+    split = NamedSharding(mesh, P(None, "seq"))
+    put = lambda x: jax.device_put(x, split)  # noqa: E731
+    if route.startswith("segment"):
+        q_seg, kv_seg = _packed_segments(rng, b, t, pad=0)
+        attend = lambda q, k, v: tk_jax.flash_attention(  # noqa: E731
+            q, k, v, causal=True, backend=dense, q_segment_ids=put(q_seg))
+    else:
+        q_len = rng.integers(t // 2, t + 1, size=b).astype(np.int32)
+        kv_len = q_len.copy()
+        positions = np.arange(t)[None]
+        q_seg = np.where(positions < q_len[:, None], 0, -1).astype(np.int32)
+        kv_seg = np.where(positions < kv_len[:, None], 0, -2).astype(np.int32)
+        attend = lambda q, k, v: tk_jax.dot_product_attention(  # noqa: E731
+            q, k, v, is_causal=True, query_seq_lengths=jnp.asarray(q_len),
+            key_value_seq_lengths=jnp.asarray(kv_len), implementation="tk")
+    o_ref, _, grads_ref = _segment_oracle(q, k, v, do, q_seg, kv_seg, window=(-1, 0))
+    args = [put(x) for x in (q, k, v, do)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is gathered: no warning
+        compiled = jax.jit(outputs_and_grads(attend)).lower(*args).compile()
+    assert collectives(compiled.as_text()) == {"collective-permute"}
+    o, grads = compiled(*args)
+    valid = q_seg >= 0  # padded query rows: jax.nn leaves them to the implementation
+    assert_close(np.where(valid[..., None, None], o, 0), o_ref, "o", TOL)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_close(g, g_ref, name, TOL)
+
+
+def test_lengths_with_bottom_right_alignment_are_gathered(dense, rng):
+    """flash_attention's lengths move each row's diagonal (bottom-right: by kv_len - q_len),
+    which the static plans cannot follow: such a call is gathered, with a warning, and gives
+    the unsplit result."""
+    mesh = mesh_of((4,), ("seq",))
+    q, k, v = random_arrays(rng, *[(2, 16, 2, 8)] * 3)
+    split = NamedSharding(mesh, P(None, "seq"))
+    lengths = jnp.asarray([16, 9], jnp.int32)
+
+    def attend(q, k, v):
+        return tk_jax.flash_attention(q, k, v, causal=True, backend=dense,
+                                      kv_seq_lengths=lengths)
+
+    expected = jax.jit(attend)(q, k, v)
+    with pytest.warns(UserWarning, match="gathers the whole sequence"):
+        o = jax.jit(attend)(*(jax.device_put(x, split) for x in (q, k, v)))
+    assert_close(o, expected, "o", TOL)
+
+
 # ----------------------------------------------------------------------------------------------
 # 5. scripts/profile_ring.py's readers (what the lead checks on GPUs), on made-up input.
 

@@ -124,6 +124,7 @@ SEQUENCE_CASES = {  # mask kwargs, Hq, Hkv, positions per GPU, forced exchange
     "full": ({}, 4, 4, 512, None),
     "window": ({"window_size": (300, 0)}, 4, 2, 1024, None),
     "causal GQA, all-gather": ({"causal": True}, 8, 1, 1024, "all_gather"),
+    "causal, packed sequences": ({"causal": True, "packed": True}, 4, 4, 1024, None),
 }
 
 
@@ -134,9 +135,16 @@ def test_sequence_sharded_flash_attention_matches_one_gpu(gpus, rng, monkeypatch
         monkeypatch.setenv(_context_parallel.EXCHANGE_ENV, exchange)
     n = len(gpus)
     q, k, v, do = inputs(rng, n * local, hq, hkv)
-    expected = one_gpu(kwargs, gpus[0], q, k, v, do)
     mesh = Mesh(np.array(gpus), ("seq",))
     split = NamedSharding(mesh, P(None, "seq"))
+    kwargs = dict(kwargs)
+    if kwargs.pop("packed", False):  # documents of random lengths, one segment id each
+        bounds = np.sort(rng.choice(np.arange(1, n * local), size=7, replace=False))
+        ids = (np.arange(n * local)[:, None] >= bounds[None, :]).sum(-1).astype(np.int32)
+        kwargs["q_segment_ids"] = jnp.asarray(ids[None])
+    expected = one_gpu(kwargs, gpus[0], q, k, v, do)
+    if "q_segment_ids" in kwargs:
+        kwargs["q_segment_ids"] = jax.device_put(kwargs["q_segment_ids"], split)
     args = [jax.device_put(x, split) for x in (q, k, v, do)]
     attend = functools.partial(tk_jax.flash_attention, backend="kernel", **kwargs)
     compiled = jax.jit(output_and_grads(attend)).lower(*args).compile()

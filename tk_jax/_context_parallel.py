@@ -385,12 +385,9 @@ def balanced_to_contiguous(x, axis_name: AxisName, n: int, *, axis: int):
 # flash_attention on a sequence-sharded input under jit: the partitioning rule's per-device
 # program. The user's arrays are split contiguously along the sequence over `axis_name`.
 #
-# Packed sequences: the executors above take q_segment_ids / kv_segment_ids (the keys' travel
-# with K/V in the same payload; every block gets its slices). When the kernel calls gain those
-# operands (layouts "b tq" / "b tk"), they follow q and k here: the same layout permutation,
-# then ring_forward(..., q_segment_ids=, kv_segment_ids=). Lengths map onto segment ids
-# (positions past a row's length: id -1 for queries, -2 for keys, so that they see and are seen
-# by nothing) wherever the alignment does not depend on them: q_len == kv_len, or top-left.
+# Masks: the call's segment ids (layouts "b tq" / "b tk") are split like q and k, take the same
+# layout permutation, and reach the executors (the keys' travel with K/V in one payload; every
+# block gets its slices). Lengths become segment ids (see takes and _segment_ids).
 
 
 class SequencePlan:
@@ -506,21 +503,31 @@ def plan_for(static: dict, q_shape, k_shape, v_shape, num_devices: int,
 
 
 def sequence_sharded_forward(fn, static: dict, plan: SequencePlan, axis_name: AxisName,
-                             q, k, v):
-    """Per device: (o, lse) of the local queries, in the contiguous split they came in."""
+                             q, k, v, q_segment_ids=None, kv_segment_ids=None):
+    """Per device: (o, lse) of the local queries, in the contiguous split they came in.
+    Segment ids (both or neither) are split like q and k."""
     n = plan.num_devices
     attend = _kernel_calls(fn, static, backward=False)
     to_layout = functools.partial(contiguous_to_balanced, axis_name=axis_name, n=n)
+    q_seg, kv_seg = q_segment_ids, kv_segment_ids
     if plan.balanced:
         q = to_layout(q, axis=1)
+        q_seg = None if q_seg is None else to_layout(q_seg, axis=1)
         if plan.exchange == RING:
             k, v = to_layout(k, axis=1), to_layout(v, axis=1)
+            kv_seg = None if kv_seg is None else to_layout(kv_seg, axis=1)
+    segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     if plan.exchange == RING:
-        o, lse = ring_forward(q, k, v, plan=plan.plan, axis_name=axis_name, attend=attend)
+        o, lse = ring_forward(q, k, v, plan=plan.plan, axis_name=axis_name, attend=attend,
+                              **segments)
     else:
         if plan.exchange == ALL_GATHER:
             k, v = (lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
-        o, lse = whole_keys_forward(q, k, v, step=plan.plan, axis_name=axis_name, attend=attend)
+            if kv_seg is not None:
+                segments["kv_segment_ids"] = lax.all_gather(kv_seg, axis_name, axis=1,
+                                                            tiled=True)
+        o, lse = whole_keys_forward(q, k, v, step=plan.plan, axis_name=axis_name,
+                                    attend=attend, **segments)
     if plan.balanced:
         back = functools.partial(balanced_to_contiguous, axis_name=axis_name, n=n)
         o, lse = back(o, axis=1), back(lse, axis=2)
@@ -528,26 +535,35 @@ def sequence_sharded_forward(fn, static: dict, plan: SequencePlan, axis_name: Ax
 
 
 def sequence_sharded_backward(fn, static: dict, plan: SequencePlan, axis_name: AxisName,
-                              q, k, v, o, lse, do, dlse=None):
+                              q, k, v, o, lse, do, dlse=None, q_segment_ids=None,
+                              kv_segment_ids=None):
     """Per device: (dq, dk, dv) of the local shards, in the split they came in."""
     n = plan.num_devices
     attend_bwd = _kernel_calls(fn, static, backward=True)
+    q_seg, kv_seg = q_segment_ids, kv_segment_ids
     if plan.balanced:
         to_layout = functools.partial(contiguous_to_balanced, axis_name=axis_name, n=n)
         q, o, do = (to_layout(x, axis=1) for x in (q, o, do))
         lse = to_layout(lse, axis=2)
         dlse = None if dlse is None else to_layout(dlse, axis=2)
+        q_seg = None if q_seg is None else to_layout(q_seg, axis=1)
         if plan.exchange == RING:
             k, v = to_layout(k, axis=1), to_layout(v, axis=1)
+            kv_seg = None if kv_seg is None else to_layout(kv_seg, axis=1)
+    segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     if plan.exchange == RING:
         dq, dk, dv = ring_backward(q, k, v, o, lse, do, dlse, plan=plan.plan,
-                                   axis_name=axis_name, attend_bwd=attend_bwd)
+                                   axis_name=axis_name, attend_bwd=attend_bwd, **segments)
     else:
         k_local, v_local = k, v
         if plan.exchange == ALL_GATHER:
             k, v = (lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
+            if kv_seg is not None:
+                segments["kv_segment_ids"] = lax.all_gather(kv_seg, axis_name, axis=1,
+                                                            tiled=True)
         dq, gk, gv = whole_keys_backward(q, k, v, o, lse, do, dlse, step=plan.plan,
-                                         axis_name=axis_name, attend_bwd=attend_bwd)
+                                         axis_name=axis_name, attend_bwd=attend_bwd,
+                                         **segments)
         if plan.exchange == ALL_GATHER:  # each device's share of every key, summed at home
             gk, gv = (lax.psum_scatter(g, axis_name, scatter_dimension=1, tiled=True)
                       for g in (gk, gv))
@@ -562,18 +578,66 @@ def sequence_sharded_backward(fn, static: dict, plan: SequencePlan, axis_name: A
     return dq, dk, dv
 
 
-def sequence_sharded_program(kind: str, fn, static: dict, mesh, sequence_axes: tuple,
+# Segment ids that mark padding (positions past a row's length): a query there sees nothing,
+# a key there is seen by nothing. Values no packing scheme uses.
+_PAD_QUERY, _PAD_KEY = np.int32(-2**31), np.int32(-2**31 + 1)
+_LENGTHS = ("q_seq_lengths", "kv_seq_lengths")
+
+
+def takes(sequence: tuple, static: dict) -> bool:
+    """Whether context parallelism runs a call with these masks (sequence = (kind, mask
+    names)) and static arguments. Lengths become segment ids (positions past a length get an
+    id nothing else has), which is exact when the mask's alignment does not depend on them:
+    top-left (bottom_right=False, jax.nn's alignment). Bottom-right with lengths moves each
+    row's diagonal by kv_len - q_len, a per-row offset the static plans do not have: such a
+    call is gathered."""
+    _, names = sequence
+    return static.get("bottom_right", True) is False or not any(n in _LENGTHS for n in names)
+
+
+def _segment_ids(masks: dict, q_local: int, k_local: int, kv_split: bool, axis_name):
+    """(q_segment_ids, kv_segment_ids) of this device's queries and keys ([B, T] int32, or
+    both None without masks), with lengths folded in (see takes)."""
+    if not masks:
+        return None, None
+    batch = next(iter(masks.values())).shape[0]
+    me = lax.axis_index(axis_name)
+    q_seg = masks.get("q_segment_ids")
+    kv_seg = masks.get("kv_segment_ids")
+    q_seg = jnp.zeros((batch, q_local), jnp.int32) if q_seg is None else q_seg
+    kv_seg = jnp.zeros((batch, k_local), jnp.int32) if kv_seg is None else kv_seg
+    if "q_seq_lengths" in masks:
+        positions = me * q_local + jnp.arange(q_local)
+        q_seg = jnp.where(positions < masks["q_seq_lengths"][:, None], q_seg, _PAD_QUERY)
+    if "kv_seq_lengths" in masks:
+        positions = (me * k_local if kv_split else 0) + jnp.arange(k_local)
+        kv_seg = jnp.where(positions < masks["kv_seq_lengths"][:, None], kv_seg, _PAD_KEY)
+    return q_seg, kv_seg
+
+
+def sequence_sharded_program(sequence: tuple, fn, static: dict, mesh, sequence_axes: tuple,
                              kv_split: bool, global_shapes) -> Callable:
-    """The per-device program of an attention kernel call ("forward" or "backward": fn is the
-    forward or the backward kernel) whose queries are split along the sequence over the mesh
-    axes `sequence_axes` (K/V too when kv_split, else whole). Called by the partitioning rule
-    (tk_jax/_partitioning.py), with the global shapes of the call's operands."""
+    """The per-device program of an attention kernel call (sequence = ("forward" or
+    "backward", the names of its mask operands): fn is the forward or the backward kernel,
+    taking the masks as trailing positional arrays) whose queries are split along the sequence
+    over the mesh axes `sequence_axes` (K/V too when kv_split, else whole). Called by the
+    partitioning rule (tk_jax/_partitioning.py), with the global shapes of the operands."""
+    kind, names = sequence
+    kernel = getattr(fn, "__wrapped__", fn) if names else fn  # masks as keywords
     axis_name = sequence_axes[0] if len(sequence_axes) == 1 else tuple(sequence_axes)
     n = int(np.prod([mesh.shape[a] for a in sequence_axes]))
     q_shape, k_shape, v_shape = global_shapes[:3]
     plan = plan_for(static, q_shape, k_shape, v_shape, n, kv_split)
-    if kind == "forward":
-        return lambda q, k, v: sequence_sharded_forward(fn, static, plan, axis_name, q, k, v)
-    if kind == "backward":
-        return lambda *arrays: sequence_sharded_backward(fn, static, plan, axis_name, *arrays)
-    raise ValueError(f"kind must be 'forward' or 'backward', got {kind!r}")
+    q_local, k_local = q_shape[1] // n, k_shape[1] // n if kv_split else k_shape[1]
+
+    def program(*arrays):
+        split = len(arrays) - len(names)
+        arrays, masks = arrays[:split], dict(zip(names, arrays[split:]))
+        q_seg, kv_seg = _segment_ids(masks, q_local, k_local, kv_split, axis_name)
+        run = sequence_sharded_forward if kind == "forward" else sequence_sharded_backward
+        return run(kernel, static, plan, axis_name, *arrays, q_segment_ids=q_seg,
+                   kv_segment_ids=kv_seg)
+
+    if kind not in ("forward", "backward"):
+        raise ValueError(f"kind must be 'forward' or 'backward', got {kind!r}")
+    return program

@@ -83,7 +83,7 @@ def _parse_layouts(text: str) -> tuple[tuple[str, ...], ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def shard_over_batch_and_heads(fn, operands: str, results: str, sequence: str | None = None):
+def shard_over_batch_and_heads(fn, operands: str, results: str, sequence: tuple | None = None):
     """Wrap `fn(*arrays, **static) -> tuple of arrays` with a partitioning rule.
 
     `operands` and `results` are comma-separated layouts, one per array, e.g.
@@ -94,9 +94,10 @@ def shard_over_batch_and_heads(fn, operands: str, results: str, sequence: str | 
     (where JAX calls fn on the local shards directly, without the rule), and under vmap
     (vmapped axes are folded into the batch).
 
-    sequence: "forward" or "backward" for the attention kernels (the layouts of
-    ATTENTION_FWD_LAYOUT / ATTENTION_BWD*_LAYOUT): a split of the query sequence (tq) then runs
-    context-parallel (tk_jax/_context_parallel.py) instead of being gathered.
+    sequence: ("forward" or "backward", mask names) for the attention kernels (the layouts of
+    ATTENTION_FWD_LAYOUT / ATTENTION_BWD*_LAYOUT with the masks appended): a split of the query
+    sequence (tq) then runs context-parallel (tk_jax/_context_parallel.py) instead of being
+    gathered.
     """
     return _BatchHeadPartitioned(fn, _parse_layouts(operands), _parse_layouts(results),
                                  sequence)
@@ -148,12 +149,21 @@ class _BatchHeadPartitioned:
 
     # -- the partitioning callbacks (they run inside XLA's partitioner: keep them simple) ----
 
+    def _sequence(self, static):
+        """self.sequence, or None where context parallelism cannot take the call."""
+        if self.sequence is None:
+            return None
+        from tk_jax import _context_parallel
+        return self.sequence if _context_parallel.takes(self.sequence, dict(static)) else None
+
     def _infer_result_shardings(self, static, mesh, arg_shapes, result_shape):
-        plan = _SplitPlan.from_operands(mesh, arg_shapes, self.operand_dims, self.sequence)
+        plan = _SplitPlan.from_operands(mesh, arg_shapes, self.operand_dims,
+                                        self._sequence(static))
         return tuple(plan.sharding(dims) for dims in self.result_dims)
 
     def _partition(self, static, mesh, arg_shapes, result_shape):
-        plan = _SplitPlan.from_operands(mesh, arg_shapes, self.operand_dims, self.sequence)
+        plan = _SplitPlan.from_operands(mesh, arg_shapes, self.operand_dims,
+                                        self._sequence(static))
         arg_shardings = tuple(plan.sharding(dims) for dims in self.operand_dims)
         result_shardings = tuple(plan.sharding(dims) for dims in self.result_dims)
 
@@ -284,7 +294,7 @@ class _SplitPlan:
         if name == Q_HEADS or (name == KV_HEADS and self.kv_mode == "split"):
             return self.head_axes
         if name == "tq" or (name == "tk" and self.kv_sequence_split):
-            return self.sequence_axes
+            return self.sequence_axes  # and the segment ids ("b tq", "b tk") with them
         return ()
 
     def sharding(self, dims) -> NamedSharding:
@@ -374,11 +384,9 @@ def partitioned_attention_fwd(fn, *, mask_names: tuple[str, ...] = ()):
     the batch/head rule; called as wrapper(q, k, v, *mask_arrays, **static), the masks named
     by mask_names (see ATTENTION_MASK_LAYOUTS), in that order."""
     mask_names = tuple(mask_names)
-    # Context parallelism (a split query sequence) knows no mask arrays yet: with them, a
-    # split sequence is gathered.
     return shard_over_batch_and_heads(arrays_as_keywords(fn, mask_names),
                                       *_with_masks(ATTENTION_FWD_LAYOUT, mask_names),
-                                      sequence=None if mask_names else "forward")
+                                      sequence=("forward", mask_names))
 
 
 def partitioned_based_fwd(fn):
@@ -404,7 +412,7 @@ def partitioned_attention_bwd(fn, *, with_dlse: bool, mask_names: tuple[str, ...
     mask_names = tuple(mask_names)
     return shard_over_batch_and_heads(arrays_as_keywords(fn, mask_names),
                                       *_with_masks(layout, mask_names),
-                                      sequence=None if mask_names else "backward")
+                                      sequence=("backward", mask_names))
 
 
 # ----------------------------------------------------------------------------------------------

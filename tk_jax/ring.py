@@ -20,8 +20,8 @@ from tk_jax._checks import (check_attention_qkv, check_backend_name, check_bool,
                             is_int, resolve_softmax_scale)
 from tk_jax._context_parallel import ring_backward, ring_forward
 from tk_jax._ring_plan import CONTIGUOUS, LOAD_BALANCED, ring_plan
-from tk_jax.attention import (attention_bwd_impl, attention_fwd_impl, choose_backend,
-                              fold_batch_dims)
+from tk_jax.attention import (AttentionMasks, attention_bwd_impl, attention_fwd_impl,
+                              check_flash_masks, choose_backend, fold_batch_dims)
 
 # Device r holds the queries and keys of its part of the sequence. In step s it holds the K/V
 # block that started on device (r - s) mod n and computes its queries against it, merging the
@@ -48,7 +48,8 @@ AxisName = Hashable  # a mesh axis name, or a tuple of them
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisName,
                    causal: bool = False, softmax_scale: float | None = None,
                    window_size: tuple[int, int] = (-1, -1), backend: str = "auto",
-                   load_balanced: bool = True) -> jax.Array:
+                   load_balanced: bool = True, q_segment_ids: jax.Array | None = None,
+                   kv_segment_ids: jax.Array | None = None) -> jax.Array:
     """Sequence-parallel softmax attention; call it inside `shard_map` (or `pmap`).
 
     The sequence axis of q, k and v is split over the mesh axis (or tuple of axes) `axis_name`;
@@ -72,6 +73,11 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
         a window; T must then be even); without one the layout does not change the result.
         A window much shorter than T balances itself: pass load_balanced=False (the natural
         order) and the ring stops after the few devices the window reaches.
+      q_segment_ids: [..., T] integers, this device's part, in the same layout as q (packed
+        sequences: query i sees key j only where their segment ids are equal, as in
+        flash_attention). The keys' ids travel around the ring with K and V. For padding,
+        give queries and keys past the end ids that match nothing.
+      kv_segment_ids: [..., T] integers; defaults to q_segment_ids.
 
     Returns:
       o [..., T, Hq, D] in q's dtype, this device's part of the output, in the input's layout.
@@ -94,12 +100,17 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
             f"device holds two equal chunks, so its sequence length must be even; got "
             f"{q.shape[-3]} (axis -3 of q). Pad the sequence or pass load_balanced=False")
 
+    masks = check_flash_masks(q, k, q_segment_ids, kv_segment_ids, None, None, op=RING_OP)
+    segments = None
+    if masks.q_segment_ids is not None:
+        segments = tuple(x.reshape((-1, x.shape[-1])) for x in masks[:2])
+
     batch_shape = q.shape[:-3]
     q4, k4, v4 = (fold_batch_dims(x) for x in (q, k, v))
     resolved = choose_backend(q4, k4, v4, backend, op=RING_OP)
     length = q4.shape[1]
     plan = ring_plan(num_devices, layout, length, length, 0, window_left, window_right)
-    o = _ring(q4, k4, v4, axis_name, scale, plan, resolved)
+    o = _ring(q4, k4, v4, segments, axis_name, scale, plan, resolved)
     return o.reshape(batch_shape + o.shape[1:])
 
 
@@ -119,31 +130,41 @@ def _block_calls(scale, backend):
     def attend(q, k, v, window_left, window_right, **segments):
         return attention_fwd_impl(q, k, v, scale=scale, window_left=window_left,
                                   window_right=window_right, backend=backend, local=True,
-                                  **segments)
+                                  masks=AttentionMasks(**segments))
 
     def attend_bwd(q, k, v, o, lse, do, dlse, window_left, window_right, **segments):
         return attention_bwd_impl(q, k, v, o, lse, do, scale=scale, window_left=window_left,
                                   window_right=window_right, backend=backend, dlse=dlse,
-                                  local=True, **segments)
+                                  local=True, masks=AttentionMasks(**segments))
     return attend, attend_bwd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _ring(q, k, v, axis_name, scale, plan, backend):
-    return _ring_forward_rule(q, k, v, axis_name, scale, plan, backend)[0]
+def _segment_kwargs(segments) -> dict:
+    if segments is None:
+        return {}
+    return {"q_segment_ids": segments[0], "kv_segment_ids": segments[1]}
 
 
-def _ring_forward_rule(q, k, v, axis_name, scale, plan, backend):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ring(q, k, v, segments, axis_name, scale, plan, backend):
+    """segments: None or (q_segment_ids, kv_segment_ids) [B, T] int32: inputs, not
+    differentiated (their cotangent is None)."""
+    return _ring_forward_rule(q, k, v, segments, axis_name, scale, plan, backend)[0]
+
+
+def _ring_forward_rule(q, k, v, segments, axis_name, scale, plan, backend):
     attend, _ = _block_calls(scale, backend)
-    o, lse = ring_forward(q, k, v, plan=plan, axis_name=axis_name, attend=attend)
-    return o, (q, k, v, o, lse)
+    o, lse = ring_forward(q, k, v, plan=plan, axis_name=axis_name, attend=attend,
+                          **_segment_kwargs(segments))
+    return o, (q, k, v, segments, o, lse)
 
 
 def _ring_backward_rule(axis_name, scale, plan, backend, residuals, do):
     _, attend_bwd = _block_calls(scale, backend)
-    q, k, v, o, lse = residuals
-    return ring_backward(q, k, v, o, lse, do, plan=plan, axis_name=axis_name,
-                         attend_bwd=attend_bwd)
+    q, k, v, segments, o, lse = residuals
+    dq, dk, dv = ring_backward(q, k, v, o, lse, do, plan=plan, axis_name=axis_name,
+                               attend_bwd=attend_bwd, **_segment_kwargs(segments))
+    return dq, dk, dv, None
 
 
 _ring.defvjp(_ring_forward_rule, _ring_backward_rule)
