@@ -23,15 +23,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import tk_jax
 from tk_jax import _context_parallel
-from gpu_util import rel_l2
+from gpu_util import assert_matches
 from sharding_util import collectives, output_and_grads
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
 from profile_ring import LHS, entry_schedule  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-TOL = 1e-2  # relative L2, sharded vs one GPU, bf16
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +48,6 @@ def bf16(rng, shape):
     return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
 
 
-def assert_matches(actual, expected, tol=TOL):
-    (o, grads), (o_ref, grads_ref) = actual, expected
-    errors = {}
-    for name, x, x_ref in zip(("o", "dq", "dk", "dv"), (o, *grads), (o_ref, *grads_ref)):
-        x = np.asarray(jnp.asarray(x, jnp.float32))
-        x_ref = np.asarray(jnp.asarray(x_ref, jnp.float32))
-        assert x.shape == x_ref.shape, f"{name}: shape {x.shape}, expected {x_ref.shape}"
-        assert np.isfinite(x).all(), f"{name}: non-finite values"
-        errors[name] = rel_l2(x, x_ref)
-    print("relative L2 vs one GPU:", {k: f"{v:.2e}" for k, v in errors.items()})
-    bad = {k: v for k, v in errors.items() if not v < tol}
-    assert not bad, f"relative L2 error >= {tol} against one GPU: {bad}"
 
 
 def one_gpu(kwargs, gpu, q, k, v, do):

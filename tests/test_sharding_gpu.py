@@ -22,12 +22,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import tk_jax
-from gpu_util import rel_l2
+from gpu_util import assert_matches
 from sharding_util import collectives, output_and_grads
 
 pytestmark = pytest.mark.gpu
-
-TOL = 1e-2  # relative L2, sharded vs one GPU, bf16
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +54,6 @@ def on_one_gpu(attend, gpu, q, k, v, do):
     return jax.jit(output_and_grads(attend))(*args)
 
 
-def assert_matches(actual, expected, tol=TOL):
-    """o and every gradient: finite, and within `tol` relative L2 of the one-GPU result."""
-    (o, grads), (o_ref, grads_ref) = actual, expected
-    errors = {}
-    for name, x, x_ref in zip(("o", "dq", "dk", "dv"), (o, *grads), (o_ref, *grads_ref)):
-        x = np.asarray(jnp.asarray(x, jnp.float32))
-        x_ref = np.asarray(jnp.asarray(x_ref, jnp.float32))
-        assert x.shape == x_ref.shape, f"{name}: shape {x.shape}, expected {x_ref.shape}"
-        assert np.isfinite(x).all(), f"{name}: non-finite values"
-        errors[name] = rel_l2(x, x_ref)
-    print("relative L2 vs one GPU:", {k: f"{v:.2e}" for k, v in errors.items()})
-    bad = {k: v for k, v in errors.items() if not v < tol}
-    assert not bad, f"relative L2 error >= {tol} against one GPU: {bad}"
 
 
 # ----------------------------------------------------------------------------------------------
