@@ -14,7 +14,6 @@ import dataclasses
 import math
 
 from bench import OURS, PEER, Contender, Outcome, attention, pass_name, random_normal_sets
-from bench.attention import BACKWARD_FLOP_FACTOR
 from bench.timing import Runner, compiled_jax_runner, input_sets_needed
 
 TOKENS = 16384                 # tokens per step: B = TOKENS / T
@@ -39,6 +38,10 @@ class GqaConfig:
     hq: int
     hkv: int
     backward: bool
+
+    @property
+    def heads(self) -> int:  # the attention suite's FLOP count runs over the query heads
+        return self.hq
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
@@ -107,19 +110,9 @@ def make_configs(t_values, d_values, ratios, causal_values, backward_values, *,
     return configs, notes
 
 
-def gqa_flops(config: GqaConfig) -> float:
-    """Matmul FLOPs over the query heads: forward 4*B*Hq*T*T*D, half of it when causal;
-    forward+backward 3.5x the forward."""
-    flops = 4.0 * config.batch * config.hq * config.t * config.t * config.d
-    if config.causal:
-        flops /= 2
-    if config.backward:
-        flops *= 1 + BACKWARD_FLOP_FACTOR
-    return flops
-
-
 def add_metrics(config: GqaConfig, outcome: Outcome) -> None:
-    outcome.metrics["tflops"] = gqa_flops(config) / (outcome.median_ms * 1e-3) / 1e12
+    """TFLOP/s over the query heads, counted as the attention suite counts them."""
+    attention.add_metrics(config, outcome)
 
 
 # ---------------------------------------------------------------------------------------------

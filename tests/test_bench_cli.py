@@ -491,7 +491,7 @@ def test_gqa_grid_heads_ratios_and_flops():
     odd, notes = gqa.make_configs((3000,), (96,), (3,), (True,), (True,))
     assert odd == [] and len(notes) == 2  # T and D that do not divide are named
     c = gqa.GqaConfig(d=4, causal=True, t=8, batch=3, q_per_kv=5, hq=5, hkv=1, backward=True)
-    assert gqa.gqa_flops(c) == 4 * 3 * 5 * 8 * 8 * 4 / 2 * 3.5
+    assert attention.attention_flops(c) == 4 * 3 * 5 * 8 * 8 * 4 / 2 * 3.5
 
 
 def test_packed_layouts_are_fixed_and_fill_the_rows():
