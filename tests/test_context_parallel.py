@@ -661,7 +661,7 @@ def test_lengths_with_bottom_right_alignment_are_gathered(dense, rng):
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. scripts/profile_ring.py's readers (what the lead checks on GPUs), on made-up input.
+# 5. scripts/profile_ring.py's readers (what a 4-GPU run is read for), on made-up input.
 
 SCHEDULE = """HloModule jit_step, is_scheduled=true
 
