@@ -251,9 +251,6 @@ def cached_attention(q, k, v, k_cache, v_cache, lengths, page_table, config: GPT
         return (o, write_cache(k_cache, k, lengths, page_table),
                 write_cache(v_cache, v, lengths, page_table))
     if c.attention == "tk":
-        if not hasattr(tk_jax, "flash_attention_with_kvcache"):
-            raise NotImplementedError("attention 'tk' with a cache needs "
-                                      "tk_jax.flash_attention_with_kvcache (not in this tk_jax)")
         return tk_jax.flash_attention_with_kvcache(
             q, k_cache, v_cache, lengths, k_new=k, v_new=v, page_table=page_table,
             causal=True, backend=c.backend)

@@ -1,90 +1,24 @@
 """examples/generate.py: the GPT's jitted prefill + decode loop over a shuffled paged cache (and a
 contiguous one) and the BasedLM's loop over its recurrent state generate what the full forward
-predicts at every step; the tiny CLI run works.
-
-Where tk_jax has no flash_attention_with_kvcache yet, the tk decode path runs against a small
-pure-JAX stand-in with its documented semantics (kvcache_stand_in below)."""
-import importlib.util
-import pathlib
-import sys
+predicts at every step; the tiny CLI run works."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import tk_jax
-
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-
-
-def _load(name):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from example_util import load_example
 
 
 @pytest.fixture(scope="module")
 def gpt():
-    return _load("gpt")
+    return load_example("gpt")
 
 
 @pytest.fixture(scope="module")
 def generate():
-    _load("gpt")
-    return _load("generate")
-
-
-def kvcache_stand_in(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None,
-                     page_table=None, causal=True, softmax_scale=None, return_lse=False,
-                     backend="auto"):
-    """flash_attention_with_kvcache's semantics in plain JAX: append k_new/v_new at
-    cache_seqlens, then the Tq queries (the last Tq positions of n = cache_seqlens + Tnew keys)
-    attend causally to the first n keys of their row."""
-    assert not return_lse
-    batch, tq, hq, d = q.shape
-    cache_seqlens = jnp.asarray(cache_seqlens, jnp.int32)
-    tnew = 0 if k_new is None else k_new.shape[1]
-    if k_new is not None:
-        position = cache_seqlens[:, None] + jnp.arange(tnew)
-        if page_table is None:
-            rows = jnp.arange(batch)[:, None]
-            k_cache = k_cache.at[rows, position].set(k_new)
-            v_cache = v_cache.at[rows, position].set(v_new)
-        else:
-            size = k_cache.shape[1]
-            page = page_table[jnp.arange(batch)[:, None], position // size]
-            k_cache = k_cache.at[page, position % size].set(k_new)
-            v_cache = v_cache.at[page, position % size].set(v_new)
-    if page_table is None:
-        keys, values = k_cache, v_cache
-    else:
-        keys = k_cache[page_table].reshape(batch, -1, *k_cache.shape[2:])
-        values = v_cache[page_table].reshape(batch, -1, *v_cache.shape[2:])
-    group = hq // keys.shape[2]
-    keys, values = (jnp.repeat(x.astype(jnp.float32), group, axis=2) for x in (keys, values))
-    scale = softmax_scale or 1 / np.sqrt(d)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), keys) * scale
-    n = (cache_seqlens + tnew)[:, None, None, None]
-    query_at = n - tq + jnp.arange(tq)[None, None, :, None]
-    key_at = jnp.arange(keys.shape[1])[None, None, None, :]
-    visible = (key_at < n) & (~causal | (key_at <= query_at))
-    weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
-    o = jnp.einsum("bhqk,bkhd->bqhd", weights, values).astype(q.dtype)
-    return o if k_new is None else (o, k_cache, v_cache)
-
-
-@pytest.fixture
-def kvcache(monkeypatch):
-    """tk_jax.flash_attention_with_kvcache, or the stand-in where this tree has none."""
-    if not hasattr(tk_jax, "flash_attention_with_kvcache"):
-        monkeypatch.setattr(tk_jax, "flash_attention_with_kvcache", kvcache_stand_in,
-                            raising=False)
-    return tk_jax.flash_attention_with_kvcache
+    load_example("gpt")
+    return load_example("generate")
 
 
 def assert_greedy_continuation(full_logits_fn, prompt, generated, *, margin=1e-4):
@@ -107,7 +41,7 @@ def assert_greedy_continuation(full_logits_fn, prompt, generated, *, margin=1e-4
 
 @pytest.mark.parametrize("attention, paged", [("tk", True), ("tk", False), ("xla", True),
                                               ("xla", False)])
-def test_gpt_generation_with_a_cache_is_the_full_forward(gpt, generate, kvcache, rng,
+def test_gpt_generation_with_a_cache_is_the_full_forward(gpt, generate, rng,
                                                          attention, paged):
     from flax import nnx
 
@@ -142,7 +76,7 @@ def test_gpt_generation_with_a_cache_is_the_full_forward(gpt, generate, kvcache,
     np.testing.assert_allclose(stored, keys, rtol=1e-5, atol=1e-5)
 
 
-def test_gpt_decode_step_attends_to_each_rows_own_length(gpt, kvcache, rng):
+def test_gpt_decode_step_attends_to_each_rows_own_length(gpt, rng):
     """Rows at different lengths: one decode step of forward_with_cache equals the full forward
     of each row's own prefix (tk through the cache op, paged, vs XLA without a cache)."""
     from flax import nnx
@@ -221,7 +155,7 @@ def test_based_prefill_logits_and_a_step_match_the_full_forward(generate, rng):
 
 # ------------------------------------------------------------------------------------ CLI
 
-def test_tiny_run_prints_tokens_per_second_for_each(generate, kvcache, capsys):
+def test_tiny_run_prints_tokens_per_second_for_each(generate, capsys):
     results = generate.main(["--tiny", "--attention", "tk", "--cache", "both"])
     out = capsys.readouterr().out
     assert set(results) == {"tk-paged", "tk-contiguous", "based"}

@@ -2,10 +2,7 @@
 NumPy, RoPE against tk_jax.nn's, the packed data, packing that changes nothing (a document's
 logits in a packed row equal its logits alone), the attention choices agreeing, and a tiny
 training run whose loss falls. The GPU test compares every attention on the device."""
-import importlib.util
 import inspect
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,28 +10,17 @@ import numpy as np
 import pytest
 
 import tk_jax
-
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-
-
-def _load(name):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
+from example_util import load_example
 
 
 @pytest.fixture(scope="module")
 def gpt():
-    return _load("gpt")
+    return load_example("gpt")
 
 
 @pytest.fixture(scope="module")
 def train_gpt():
-    return _load("train_gpt")
+    return load_example("train_gpt")
 
 
 TK_HAS_SEGMENTS = "q_segment_ids" in inspect.signature(tk_jax.flash_attention).parameters
