@@ -247,7 +247,9 @@ template <typename T, int D, int C>
 __device__ __forceinline__ void init_rings(forward_shared<T, D, C>& s) {
   constexpr int CONSUMER_WARPS = C * 4;  // one arrival per consumer warp
   if (threadIdx.x == 0) {
-    s.q_ring.init(CONSUMER_WARPS);
+    // The Q slot also carries the item, which every consumer thread reads with plain loads:
+    // each thread releases it after its own read (one arrival per consumer thread).
+    s.q_ring.init(CONSUMER_WARPS * 32);
     s.k_ring.init(CONSUMER_WARPS);
     s.v_ring.init(CONSUMER_WARPS);
     tma::fence_barrier_init();
@@ -331,7 +333,7 @@ __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
     walk_items<Q_ROWS>(p, [&](int, int n) {
       s.q_ring.acquire(n);
       const forward_item w = s.item;
-      kv_use += attend_item<SEG>(s, p, w, consumer, kv_use, [&] { s.q_ring.release(n); });
+      kv_use += attend_item<SEG>(s, p, w, consumer, kv_use, [&] { s.q_ring.release_each_lane(n); });
     });
   }
 }
