@@ -213,15 +213,19 @@ def _with_segments(k, v, kv_segment_ids) -> tuple:
 
 
 def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: BlockForward,
-                 q_segment_ids=None, kv_segment_ids=None):
+                 q_segment_ids=None, kv_segment_ids=None, keep_neighbour_keys: bool = False):
     """(o [B, Tq, Hq, Dv] in q's dtype, lse [B, Hq, Tq] float32) of this device's queries; the
     keys and values (and their segment ids, [B, T] int32, if given) go around the ring (one
-    transfer per step after the first, issued before the step's computation)."""
+    transfer per step after the first, issued before the step's computation).
+
+    keep_neighbour_keys: also return the payload of the previous device's keys (None in a
+    ring of one step), for ring_backward, whose first step needs them."""
     acc = _empty_forward(q, v)
     unwritten = np.ones(q.shape[1], bool)
     kv = _with_segments(k, v, kv_segment_ids)
     likes = tuple(map(_shape_of, kv))
     payload = pack(kv) if len(plan.steps) > 1 else None
+    neighbour_keys = None
     for index, step in enumerate(plan.steps):
         last = index == len(plan.steps) - 1
         if not last:
@@ -229,11 +233,15 @@ def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: 
                 payload, acc = _after(payload, acc)
             # Issued before this step's computation; the block is passed on as it came.
             payload = send(payload, axis_name, plan.num_devices)
+            if index == 0:
+                neighbour_keys = payload
         branch = functools.partial(_forward_blocks, attend, unwritten, q_segment_ids)
         acc = _run_step(step, axis_name, branch, q, kv, acc)
         unwritten = _touched_rows(step, unwritten)
         kv = None if last else unpack(payload, likes)
     o, lse = acc
+    if keep_neighbour_keys:
+        return o.astype(q.dtype), lse, neighbour_keys
     return o.astype(q.dtype), lse
 
 
@@ -279,25 +287,33 @@ def _backward_blocks(attend_bwd: BlockBackward, saved, blocks, kv, dq):
 
 def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
                   axis_name: AxisName, attend_bwd: BlockBackward, q_segment_ids=None,
-                  kv_segment_ids=None):
+                  kv_segment_ids=None, neighbour_keys=None):
     """(dq, dk, dv) in the dtypes of q, k, v, for the global o, lse of this device's queries
-    and the cotangents do (and dlse, or None).
+    and the cotangents do (and dlse, or None). neighbour_keys: the payload ring_forward kept
+    (keep_neighbour_keys), which spares the first transfer; else it is sent again (a transfer
+    that nothing can overlap: the first step waits for it).
 
     The keys go around the ring again; the dK/dV partial sums (float32, one transfer per
     step) travel with their block, each device adding its share. The steps with other
     devices' keys run first and the device's own block last: the partial sums of the own
     block then come home during its computation."""
     n, steps = plan.num_devices, len(plan.steps)
+    own = _with_segments(k, v, kv_segment_ids)
+    if steps > 1:
+        # Step 1's keys: the previous device's, kept by the forward or sent now.
+        kv_words = send(pack(own), axis_name, n) if neighbour_keys is None else neighbour_keys
+        # Tied to the cotangent, the next transfer (step 2's keys) belongs to the backward: its
+        # operand is ready early, and a scheduler that moves it into the forward leaves the
+        # forward's own transfer of that time nothing to overlap (XLA then runs it
+        # synchronously).
+        kv_words, do = _after(kv_words, do)
     saved = (q, o, lse, do, dlse, q_segment_ids)
     branch = functools.partial(_backward_blocks, attend_bwd, saved)
     dq = jnp.zeros_like(q, jnp.float32)
-    own = _with_segments(k, v, kv_segment_ids)
     kv_likes = tuple(map(_shape_of, own))
     sum_likes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (k, v))
     home = None  # the other devices' share of this device's dk, dv
     if steps > 1:
-        # Step 1's keys: the device's own, sent before anything else (nothing to wait for).
-        kv_words = send(pack(own), axis_name, n)
         kv = unpack(kv_words, kv_likes)
         kv_count = sum(map(_word_count, kv_likes))
         finished = None  # partial sums of the block this device held in the previous step

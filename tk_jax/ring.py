@@ -149,21 +149,27 @@ def _segment_kwargs(segments) -> dict:
 def _ring(q, k, v, segments, axis_name, scale, plan, backend):
     """segments: None or (q_segment_ids, kv_segment_ids) [B, T] int32: inputs, not
     differentiated (their cotangent is None)."""
-    return _ring_forward_rule(q, k, v, segments, axis_name, scale, plan, backend)[0]
+    attend, _ = _block_calls(scale, backend)
+    return ring_forward(q, k, v, plan=plan, axis_name=axis_name, attend=attend,
+                        **_segment_kwargs(segments))[0]
 
 
 def _ring_forward_rule(q, k, v, segments, axis_name, scale, plan, backend):
+    """The forward, keeping the previous device's keys for the backward's first step: sent
+    again, that transfer would have nothing to overlap."""
     attend, _ = _block_calls(scale, backend)
-    o, lse = ring_forward(q, k, v, plan=plan, axis_name=axis_name, attend=attend,
-                          **_segment_kwargs(segments))
-    return o, (q, k, v, segments, o, lse)
+    o, lse, neighbour_keys = ring_forward(q, k, v, plan=plan, axis_name=axis_name,
+                                          attend=attend, keep_neighbour_keys=True,
+                                          **_segment_kwargs(segments))
+    return o, (q, k, v, segments, o, lse, neighbour_keys)
 
 
 def _ring_backward_rule(axis_name, scale, plan, backend, residuals, do):
     _, attend_bwd = _block_calls(scale, backend)
-    q, k, v, segments, o, lse = residuals
+    q, k, v, segments, o, lse, neighbour_keys = residuals
     dq, dk, dv = ring_backward(q, k, v, o, lse, do, plan=plan, axis_name=axis_name,
-                               attend_bwd=attend_bwd, **_segment_kwargs(segments))
+                               attend_bwd=attend_bwd, neighbour_keys=neighbour_keys,
+                               **_segment_kwargs(segments))
     return dq, dk, dv, None
 
 
