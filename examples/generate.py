@@ -390,8 +390,12 @@ def main(argv=None) -> dict:
     names = list(results)
     for name in names[1:]:
         same = float(jnp.mean(results[name] == results[names[0]]))
-        print(f"  {name} generated the same tokens as {names[0]}: {same:.1%}"
-              + (" (greedy; bf16 rounding may flip near-ties)"
+        # Once one token differs, a sequence continues from another prefix: count how long the
+        # two agree from the start too.
+        prefix = float(jnp.mean(jnp.cumprod(results[name] == results[names[0]], axis=1).sum(1)))
+        print(f"  {name} generated the same tokens as {names[0]}: {same:.1%}; the first "
+              f"{prefix:.1f} of {results[name].shape[1]} on average before any differs"
+              + (" (greedy; bf16 rounding may flip near-ties, with random weights often)"
                  if cfg.temperature == 0 and cfg.dtype != "float32" else ""))
     if cfg.based:
         based_prompt = prompt[:cfg.based_batch_size or cfg.batch_size]
