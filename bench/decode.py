@@ -474,12 +474,8 @@ def write_plot(path: str, outcomes: list[dict], contender_names: list[str],
     ok = [o for o in outcomes if o["status"] == "ok"]
     if not ok:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
+    plt = report.headless_pyplot()
+    if plt is None:
         return None
     import os
 

@@ -161,15 +161,13 @@ def write_ratio_plot(path: str, outcomes: list[dict], contender_names: list[str]
     """One panel per (D, T): tk / best peer against Hq / Hkv, a line per (mask, pass), with
     the issue's 1.05 target drawn. None if matplotlib is missing or no ratio was measured."""
     del contender_names  # the plot shows one ratio, not the contenders
+    from bench import report
+
     ratios = tk_over_best(outcomes)
     if not ratios:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
+    plt = report.headless_pyplot()
+    if plt is None:
         return None
     import os
 

@@ -303,15 +303,13 @@ def layout_notes(layouts, rows: int, row_tokens: int) -> list[str]:
 def write_bar_plot(path: str, outcomes: list[dict], contender_names: list[str],
                    title: str) -> str | None:
     """One panel per (D, pass): TFLOP/s of each contender, grouped by layout."""
+    from bench import report
+
     ok = [o for o in outcomes if o["status"] == "ok"]
     if not ok:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
+    plt = report.headless_pyplot()
+    if plt is None:
         return None
     import os
 

@@ -267,6 +267,20 @@ def write_text(path: str, text: str) -> None:
         f.write(text if text.endswith("\n") else text + "\n")
 
 
+def headless_pyplot():
+    """matplotlib.pyplot drawing off-screen (the Agg backend: no display on the benchmark
+    machine), or None when matplotlib is not installed: plots are optional, every writer
+    returns None then."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return None
+    return plt
+
+
 def write_plot(path: str, outcomes: list[dict], *, panel_fields: tuple[str, ...],
                x_field: str, metric: Callable[[dict], float], metric_name: str,
                contender_names: list[str], title: str, log_y: bool = False,
@@ -274,12 +288,8 @@ def write_plot(path: str, outcomes: list[dict], *, panel_fields: tuple[str, ...]
     """One panel per value of `panel_fields`, the metric against `x_field`, one line per
     contender. Returns the path written, or None if matplotlib is not installed or there is
     nothing to plot."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display on the benchmark machine
-        import matplotlib.pyplot as plt
-    except Exception:
+    plt = headless_pyplot()
+    if plt is None:
         return None
     ok = [o for o in outcomes if o["status"] == OK]
     if not ok:
