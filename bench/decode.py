@@ -477,7 +477,6 @@ def write_plot(path: str, outcomes: list[dict], contender_names: list[str],
     plt = report.headless_pyplot()
     if plt is None:
         return None
-    import os
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4))
     names = [n for n in contender_names if any(o["contender"] == n for o in ok)]
@@ -521,7 +520,4 @@ def write_plot(path: str, outcomes: list[dict], contender_names: list[str],
         right.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return report.save_figure(plt, fig, path, dpi=110)

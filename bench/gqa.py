@@ -169,7 +169,6 @@ def write_ratio_plot(path: str, outcomes: list[dict], contender_names: list[str]
     plt = report.headless_pyplot()
     if plt is None:
         return None
-    import os
 
     d_values = sorted({k[0] for k in ratios})
     t_values = sorted({k[1] for k in ratios})
@@ -203,7 +202,4 @@ def write_ratio_plot(path: str, outcomes: list[dict], contender_names: list[str]
     fig.legend(handles, labels, loc="lower center", ncol=4, frameon=False)
     fig.suptitle(title + ": tk TFLOP/s over the best of cuDNN and FA3 (red: 1.05)")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return report.save_figure(plt, fig, path, dpi=110)

@@ -311,7 +311,6 @@ def write_bar_plot(path: str, outcomes: list[dict], contender_names: list[str],
     plt = report.headless_pyplot()
     if plt is None:
         return None
-    import os
 
     panels = sorted({(o["config"]["d"], o["config"]["pass"]) for o in ok})
     names = [n for n in contender_names if any(o["contender"] == n for o in ok)]
@@ -335,7 +334,4 @@ def write_bar_plot(path: str, outcomes: list[dict], contender_names: list[str],
     fig.legend(handles, labels, loc="lower center", ncol=len(names), frameon=False)
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return report.save_figure(plt, fig, path, dpi=110)

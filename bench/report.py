@@ -281,6 +281,15 @@ def headless_pyplot():
     return plt
 
 
+def save_figure(plt, fig, path: str, *, dpi: int) -> str:
+    """Write `fig` to the PNG `path` (making its folder) and close it (pyplot keeps every
+    figure open until then); returns path."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def write_plot(path: str, outcomes: list[dict], *, panel_fields: tuple[str, ...],
                x_field: str, metric: Callable[[dict], float], metric_name: str,
                contender_names: list[str], title: str, log_y: bool = False,
@@ -330,7 +339,4 @@ def write_plot(path: str, outcomes: list[dict], *, panel_fields: tuple[str, ...]
     fig.legend(handles=handles, loc="lower center", ncol=len(names), frameon=False)
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.08 / rows, 1, 1))
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, dpi=120)
