@@ -39,6 +39,7 @@ from tk_jax.nn.short_conv import causal_depthwise_conv
 from tk_jax.nn.rotary import apply_rotary
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from config_flags import add_field_flags, add_tiny_flag, config_from_args  # noqa: E402
 from gpt import GPT, GPTConfig, init_cache, rope  # noqa: E402
 
 
@@ -410,7 +411,7 @@ def parse_args(argv=None) -> GenerateConfig:
                    help="GPT attention(s) to run (tk cudnn on a GPU, tk xla on CPU)")
     p.add_argument("--cache", choices=("paged", "contiguous", "both"),
                    help=f"tk's cache layout ({defaults.cache}); cudnn/xla read a contiguous one")
-    flags = {
+    add_field_flags(p, defaults, {
         "vocab_size": (int, "vocabulary"), "d_model": (int, "model width"),
         "layers": (int, "layers (GPT and BasedLM)"), "heads": (int, "query heads"),
         "kv_heads": (int, "key/value heads (GQA)"), "head_dim": (int, "head dim"),
@@ -419,27 +420,16 @@ def parse_args(argv=None) -> GenerateConfig:
         "temperature": (float, "0: greedy"),
         "based_head_dim": (int, "BasedLM value dim per head"),
         "based_batch_size": (int, "BasedLM sequences (batch size)"), "seed": (int, "seed"),
-    }
-    for name, (kind, text) in flags.items():
-        p.add_argument("--" + name.replace("_", "-"), type=kind,
-                       help=f"{text} ({getattr(defaults, name)})")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"),
-                   help=f"compute dtype ({defaults.dtype})")
-    p.add_argument("--backend", choices=("auto", "kernel", "reference"),
-                   help=f"tk_jax backend ({defaults.backend})")
+        "dtype": (("bfloat16", "float32"), "compute dtype"),
+        "backend": (("auto", "kernel", "reference"), "tk_jax backend"),
+    })
     p.add_argument("--no-based", dest="based", action="store_false", default=None,
                    help="skip the BasedLM")
-    p.add_argument("--tiny", action="store_true",
-                   help="a CPU run of seconds: " + ", ".join(f"{k}={v}" for k, v in TINY.items()))
+    add_tiny_flag(p, "a CPU run of seconds: ", TINY)
     args = p.parse_args(argv)
-    values = dataclasses.asdict(defaults)
-    if args.tiny:
-        values.update(TINY)
-    for field in values:
-        given = getattr(args, field, None)
-        if given is not None:
-            values[field] = tuple(given) if field == "attention" else given
-    return GenerateConfig(**values)
+    if args.attention is not None:
+        args.attention = tuple(args.attention)   # argparse gives a list; the config holds a tuple
+    return config_from_args(defaults, args, TINY)
 
 
 if __name__ == "__main__":

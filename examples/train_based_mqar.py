@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
+import sys
 import time
 
 import jax
@@ -27,6 +29,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from tk_jax.nn import BasedConfig, BasedLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from config_flags import add_field_flags, add_tiny_flag, config_from_args  # noqa: E402
 
 
 # --------------------------------------------------------------------------------- data
@@ -290,29 +295,21 @@ def time_backends(cfg: TrainConfig, *, repeats: int = 20) -> None:
 def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
     defaults = TrainConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq-len", type=int, help=f"sequence length ({defaults.seq_len})")
-    p.add_argument("--num-kv-pairs", type=int, help=f"key-value pairs ({defaults.num_kv_pairs})")
-    p.add_argument("--vocab-size", type=int, help=f"vocabulary ({defaults.vocab_size})")
-    p.add_argument("--d-model", type=int, help=f"model width ({defaults.d_model})")
-    p.add_argument("--head-dim", type=int,
-                   help=f"head dim of the Based and attention layers ({defaults.head_dim})")
-    p.add_argument("--layers", type=int, help=f"layers ({defaults.layers})")
-    p.add_argument("--steps", type=int, help=f"training steps ({defaults.steps})")
-    p.add_argument("--batch-size", type=int, help=f"batch size ({defaults.batch_size})")
-    p.add_argument("--lr", type=float, help=f"peak learning rate ({defaults.lr})")
-    p.add_argument("--backend", choices=("auto", "kernel", "reference"),
-                   help=f"tk_jax backend ({defaults.backend})")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"),
-                   help=f"activation dtype ({defaults.dtype})")
-    p.add_argument("--based-norm", choices=("rmsnorm", "denominator"),
-                   help=f"Based output normalisation ({defaults.based_norm})")
-    p.add_argument("--seed", type=int, help=f"random seed ({defaults.seed})")
+    add_field_flags(p, defaults, {
+        "seq_len": (int, "sequence length"), "num_kv_pairs": (int, "key-value pairs"),
+        "vocab_size": (int, "vocabulary"), "d_model": (int, "model width"),
+        "head_dim": (int, "head dim of the Based and attention layers"),
+        "layers": (int, "layers"), "steps": (int, "training steps"),
+        "batch_size": (int, "batch size"), "lr": (float, "peak learning rate"),
+        "backend": (("auto", "kernel", "reference"), "tk_jax backend"),
+        "dtype": (("float32", "bfloat16"), "activation dtype"),
+        "based_norm": (("rmsnorm", "denominator"), "Based output normalisation"),
+        "seed": (int, "random seed"),
+    })
     p.add_argument("--target-acc", type=float,
                    help=f"stop once eval query accuracy reaches this ({defaults.target_acc}; "
                         f"the tiny run ignores it unless given)")
-    p.add_argument("--tiny", action="store_true",
-                   help="small CPU configuration: "
-                        + ", ".join(f"{k}={v}" for k, v in TINY.items()))
+    add_tiny_flag(p, "small CPU configuration: ", TINY)
     p.add_argument("--time-backends", action="store_true",
                    help="time the train step with backend kernel vs reference, then exit")
     p.add_argument("--data-parallel", action="store_true", default=None,
@@ -321,17 +318,10 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
                         "device count")
     args = p.parse_args(argv)
 
-    values = dataclasses.asdict(defaults)
-    if args.tiny:
-        values.update(TINY, target_acc=None)
-    for field in values:
-        given = getattr(args, field, None)
-        if given is not None:
-            values[field] = given
-    if values["d_model"] % values["head_dim"]:
-        p.error(f"--d-model ({values['d_model']}) must be a multiple of --head-dim "
-                f"({values['head_dim']})")
-    return TrainConfig(**values), args
+    cfg = config_from_args(defaults, args, dict(TINY, target_acc=None))
+    if cfg.d_model % cfg.head_dim:
+        p.error(f"--d-model ({cfg.d_model}) must be a multiple of --head-dim ({cfg.head_dim})")
+    return cfg, args
 
 
 def main(argv=None) -> None:

@@ -34,6 +34,7 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from config_flags import add_field_flags, add_tiny_flag, config_from_args  # noqa: E402
 from gpt import ATTENTIONS, GPT, GPTConfig  # noqa: E402
 
 BOS = 0
@@ -280,9 +281,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
 def parse_args(argv=None) -> TrainConfig:
     defaults = TrainConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--attention", choices=ATTENTIONS,
-                   help=f"attention implementation ({defaults.attention})")
-    flags = {
+    add_field_flags(p, defaults, {
+        "attention": (ATTENTIONS, "attention implementation"),
         "vocab_size": (int, "vocabulary"), "d_model": (int, "model width"),
         "layers": (int, "decoder blocks"), "heads": (int, "query heads"),
         "kv_heads": (int, "key/value heads (GQA)"), "head_dim": (int, "head dim"),
@@ -294,27 +294,11 @@ def parse_args(argv=None) -> TrainConfig:
         "weight_decay": (float, "AdamW weight decay"), "seed": (int, "random seed"),
         "log_every": (int, "steps between progress updates"),
         "timing_warmup": (int, "steps left out of the mean tokens/s"),
-    }
-    for name, (kind, text) in flags.items():
-        p.add_argument("--" + name.replace("_", "-"), type=kind,
-                       help=f"{text} ({getattr(defaults, name)})")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"),
-                   help=f"compute dtype; parameters stay float32 ({defaults.dtype})")
-    p.add_argument("--backend", choices=("auto", "kernel", "reference"),
-                   help=f"tk_jax backend for --attention tk ({defaults.backend})")
-    p.add_argument("--tiny", action="store_true",
-                   help="a CPU run of a few seconds: "
-                        + ", ".join(f"{k}={v}" for k, v in TINY.items()))
-    args = p.parse_args(argv)
-
-    values = dataclasses.asdict(defaults)
-    if args.tiny:
-        values.update(TINY)
-    for field in values:
-        given = getattr(args, field, None)
-        if given is not None:
-            values[field] = given
-    return TrainConfig(**values)
+        "dtype": (("bfloat16", "float32"), "compute dtype; parameters stay float32"),
+        "backend": (("auto", "kernel", "reference"), "tk_jax backend for --attention tk"),
+    })
+    add_tiny_flag(p, "a CPU run of a few seconds: ", TINY)
+    return config_from_args(defaults, p.parse_args(argv), TINY)
 
 
 def main(argv=None) -> dict:
