@@ -518,34 +518,46 @@ def plan_for(static: dict, q_shape, k_shape, v_shape, num_devices: int,
                         offset=offset, kv_split=kv_split)
 
 
+def _to_plan_layout(plan: SequencePlan, axis_name: AxisName, queries, keys) -> tuple:
+    """(query-side arrays, key-side arrays) in the layout the plan computes in: each given as
+    (array or None, its sequence axis). Load-balanced: the query side is permuted, the key
+    side too when it travels the ring (gathered or whole, it is in global order anyway)."""
+    def unchanged(items):
+        return [x for x, _ in items]
+
+    if not plan.balanced:
+        return unchanged(queries), unchanged(keys)
+    to = functools.partial(contiguous_to_balanced, axis_name=axis_name, n=plan.num_devices)
+
+    def moved(items):
+        return [None if x is None else to(x, axis=axis) for x, axis in items]
+    return moved(queries), moved(keys) if plan.exchange == RING else unchanged(keys)
+
+
+def _gathered(axis_name: AxisName, *arrays) -> list:
+    """Every device's part of each array (None stays None), along the sequence (axis 1)."""
+    return [None if x is None else lax.all_gather(x, axis_name, axis=1, tiled=True)
+            for x in arrays]
+
+
 def sequence_sharded_forward(fn, static: dict, plan: SequencePlan, axis_name: AxisName,
                              q, k, v, q_segment_ids=None, kv_segment_ids=None):
     """Per device: (o, lse) of the local queries, in the contiguous split they came in.
     Segment ids (both or neither) are split like q and k."""
-    n = plan.num_devices
     attend = _kernel_calls(fn, static, backward=False)
-    to_layout = functools.partial(contiguous_to_balanced, axis_name=axis_name, n=n)
-    q_seg, kv_seg = q_segment_ids, kv_segment_ids
-    if plan.balanced:
-        q = to_layout(q, axis=1)
-        q_seg = None if q_seg is None else to_layout(q_seg, axis=1)
-        if plan.exchange == RING:
-            k, v = to_layout(k, axis=1), to_layout(v, axis=1)
-            kv_seg = None if kv_seg is None else to_layout(kv_seg, axis=1)
-    segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    (q, q_seg), (k, v, kv_seg) = _to_plan_layout(
+        plan, axis_name, [(q, 1), (q_segment_ids, 1)], [(k, 1), (v, 1), (kv_segment_ids, 1)])
     if plan.exchange == RING:
         o, lse = ring_forward(q, k, v, plan=plan.plan, axis_name=axis_name, attend=attend,
-                              **segments)
+                              q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     else:
         if plan.exchange == ALL_GATHER:
-            k, v = (lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
-            if kv_seg is not None:
-                segments["kv_segment_ids"] = lax.all_gather(kv_seg, axis_name, axis=1,
-                                                            tiled=True)
+            k, v, kv_seg = _gathered(axis_name, k, v, kv_seg)
         o, lse = whole_keys_forward(q, k, v, step=plan.plan, axis_name=axis_name,
-                                    attend=attend, **segments)
+                                    attend=attend, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     if plan.balanced:
-        back = functools.partial(balanced_to_contiguous, axis_name=axis_name, n=n)
+        back = functools.partial(balanced_to_contiguous, axis_name=axis_name,
+                                 n=plan.num_devices)
         o, lse = back(o, axis=1), back(lse, axis=2)
     return o, lse
 
@@ -554,18 +566,10 @@ def sequence_sharded_backward(fn, static: dict, plan: SequencePlan, axis_name: A
                               q, k, v, o, lse, do, dlse=None, q_segment_ids=None,
                               kv_segment_ids=None):
     """Per device: (dq, dk, dv) of the local shards, in the split they came in."""
-    n = plan.num_devices
     attend_bwd = _kernel_calls(fn, static, backward=True)
-    q_seg, kv_seg = q_segment_ids, kv_segment_ids
-    if plan.balanced:
-        to_layout = functools.partial(contiguous_to_balanced, axis_name=axis_name, n=n)
-        q, o, do = (to_layout(x, axis=1) for x in (q, o, do))
-        lse = to_layout(lse, axis=2)
-        dlse = None if dlse is None else to_layout(dlse, axis=2)
-        q_seg = None if q_seg is None else to_layout(q_seg, axis=1)
-        if plan.exchange == RING:
-            k, v = to_layout(k, axis=1), to_layout(v, axis=1)
-            kv_seg = None if kv_seg is None else to_layout(kv_seg, axis=1)
+    (q, o, do, lse, dlse, q_seg), (k, v, kv_seg) = _to_plan_layout(
+        plan, axis_name, [(q, 1), (o, 1), (do, 1), (lse, 2), (dlse, 2), (q_segment_ids, 1)],
+        [(k, 1), (v, 1), (kv_segment_ids, 1)])
     segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     if plan.exchange == RING:
         dq, dk, dv = ring_backward(q, k, v, o, lse, do, dlse, plan=plan.plan,
@@ -573,10 +577,7 @@ def sequence_sharded_backward(fn, static: dict, plan: SequencePlan, axis_name: A
     else:
         k_local, v_local = k, v
         if plan.exchange == ALL_GATHER:
-            k, v = (lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
-            if kv_seg is not None:
-                segments["kv_segment_ids"] = lax.all_gather(kv_seg, axis_name, axis=1,
-                                                            tiled=True)
+            k, v, segments["kv_segment_ids"] = _gathered(axis_name, k, v, kv_seg)
         dq, gk, gv = whole_keys_backward(q, k, v, o, lse, do, dlse, step=plan.plan,
                                          axis_name=axis_name, attend_bwd=attend_bwd,
                                          **segments)
@@ -587,7 +588,8 @@ def sequence_sharded_backward(fn, static: dict, plan: SequencePlan, axis_name: A
             gk, gv = lax.psum((gk, gv), axis_name)
         dk, dv = gk.astype(k_local.dtype), gv.astype(v_local.dtype)
     if plan.balanced:
-        back = functools.partial(balanced_to_contiguous, axis_name=axis_name, n=n)
+        back = functools.partial(balanced_to_contiguous, axis_name=axis_name,
+                                 n=plan.num_devices)
         dq = back(dq, axis=1)
         if plan.exchange == RING:
             dk, dv = back(dk, axis=1), back(dv, axis=1)
