@@ -300,20 +300,20 @@ def test_kernel_backend_unavailable_on_cpu():
         jax.jit(functools.partial(flash_attention, backend="kernel"))(q, k, v)
 
 
-def test_auto_dispatches_to_kernel_when_available(install_kernels):
-    """With the kernels (pretend) available, "auto" calls tk_jax._kernels.attention_fwd and
-    attention_bwd with rank-4 inputs and the resolved scale and window."""
-    calls = []
-
-    def attention_fwd(q, k, v, *, scale, window_left, window_right):
-        calls.append((q.shape, k.shape, scale, window_left, window_right))
+def install_recording_kernels(install_kernels, record) -> types.ModuleType:
+    """Pretend kernels, computed by the reference, that first call
+    record(kind "fwd" | "bwd", (q, k, v), scale, window_left, window_right, masks); returns
+    the module installed."""
+    def attention_fwd(q, k, v, *, scale, window_left, window_right, **masks):
+        record("fwd", (q, k, v), scale, window_left, window_right, masks)
         return attention_forward(q, k, v, scale=scale, window_left=window_left,
-                                 window_right=window_right)
+                                 window_right=window_right, **masks)
 
-    def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale, window_left, window_right):
-        calls.append(("bwd", q.shape, scale, window_left, window_right))
+    def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale, window_left, window_right,
+                      **masks):
+        record("bwd", (q, k, v), scale, window_left, window_right, masks)
         grads = attention_backward(q, k, v, o, lse, do, scale=scale, window_left=window_left,
-                                   window_right=window_right, dlse=dlse)
+                                   window_right=window_right, dlse=dlse, **masks)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
 
     module = types.ModuleType("tk_jax._kernels")
@@ -321,6 +321,21 @@ def test_auto_dispatches_to_kernel_when_available(install_kernels):
     module.attention_bwd = attention_bwd
     module.attention_kernel_unsupported = lambda q, k, v: None
     install_kernels(module)
+    return module
+
+
+def test_auto_dispatches_to_kernel_when_available(install_kernels):
+    """With the kernels (pretend) available, "auto" calls tk_jax._kernels.attention_fwd and
+    attention_bwd with rank-4 inputs and the resolved scale and window."""
+    calls = []
+
+    def record(kind, arrays, scale, window_left, window_right, masks):
+        assert not masks
+        q, k, _ = arrays
+        calls.append((q.shape, k.shape, scale, window_left, window_right) if kind == "fwd"
+                     else ("bwd", q.shape, scale, window_left, window_right))
+
+    install_recording_kernels(install_kernels, record)
 
     rng, seed = fresh_rng()
     q, k, v = random_qkv(rng, batch=(2, 3), tq=5, tk=7)
@@ -569,23 +584,8 @@ def test_kernel_receives_the_masks_as_the_contract_says(install_kernels):
         assert ("q_segment_ids" in masks) == ("kv_segment_ids" in masks)
         calls.append((kind, arrays[0].shape, tuple(sorted(masks))))
 
-    def attention_fwd(q, k, v, *, scale, window_left, window_right, **masks):
-        record("fwd", (q, k, v), scale, window_left, window_right, masks)
-        return attention_forward(q, k, v, scale=scale, window_left=window_left,
-                                 window_right=window_right, **masks)
-
-    def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale, window_left, window_right,
-                      **masks):
-        record("bwd", (q, k, v), scale, window_left, window_right, masks)
-        grads = attention_backward(q, k, v, o, lse, do, scale=scale, window_left=window_left,
-                                   window_right=window_right, dlse=dlse, **masks)
-        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
-
-    module = types.ModuleType("tk_jax._kernels")
-    module.attention_fwd = attention_fwd
-    module.attention_bwd = attention_bwd
-    module.attention_kernel_unsupported = lambda q, k, v: None
-    install_kernels(module)
+    module = install_recording_kernels(install_kernels, record)
+    attention_fwd = module.attention_fwd
 
     rng, seed = fresh_rng()
     q, k, v = random_qkv(rng, batch=(2, 2), tq=7, tk=7, hq=2, hkv=1, d=8)
