@@ -3,6 +3,9 @@
 //   lse = log sum_s e^{lse_s},   o = sum_s e^{lse_s - lse} o_s,
 // one warp a row. Splits that saw no key of the row (lse_s = -inf) are skipped; a row no split
 // saw gets o = 0, lse = -inf; a NaN among the lse_s makes the row NaN.
+// The pass is latency-bound (a few KB a row): lane l loads the lse of splits l, l + 32, ...
+// at once, and the partial rows are loaded LOADS_IN_FLIGHT splits at a time before any is
+// added, so its time hardly grows with the split count.
 #pragma once
 
 #include "../../kittens/kittens.cuh"
@@ -15,6 +18,8 @@ namespace tk::kvcache {
 using namespace kittens;
 
 constexpr int COMBINE_THREADS = 128;  // four rows a block
+constexpr int LSE_PER_LANE = MAX_SPLITS / 32;
+constexpr int LOADS_IN_FLIGHT = 8;     // splits whose partial rows are requested together
 
 // max that keeps a NaN: once either side is NaN, so is the result.
 __device__ __forceinline__ float max_keeping_nan(float a, float b) { return (a > b || a != a) ? a : b; }
@@ -25,13 +30,20 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const Params p
   wait_for_prerequisite_grid();  // the split kernel's partial results are complete
   const int64_t rows = split_workspace::rows(p.batch, p.heads_q, p.seq_q);
   const int64_t row = int64_t(blockIdx.x) * (COMBINE_THREADS / 32) + warpid();
-  if (row >= rows) return;
-  const split_workspace ws = split_workspace::of(p.workspace, rows, p.num_splits, D);
-  const float* lse_s = ws.lse_of(row);
+  if (row >= rows) return;  // the whole warp: one row a warp
+  const int splits = p.num_splits;
+  const split_workspace ws = split_workspace::of(p.workspace, rows, splits, D);
   const int lane = laneid();
 
+  float lse_s[LSE_PER_LANE];  // lse of split 32 i + lane
+#pragma unroll
+  for (int i = 0; i < LSE_PER_LANE; i++) {
+    const int s = 32 * i + lane;
+    lse_s[i] = s < splits ? ws.lse_of(row)[s] : NEG_INF;
+  }
   float m = NEG_INF;
-  for (int s = lane; s < p.num_splits; s += 32) m = max_keeping_nan(m, lse_s[s]);
+#pragma unroll
+  for (int i = 0; i < LSE_PER_LANE; i++) m = max_keeping_nan(m, lse_s[i]);
 #pragma unroll
   for (int x = 16; x > 0; x /= 2) m = max_keeping_nan(m, __shfl_xor_sync(0xffffffffu, m, x));
 
@@ -39,20 +51,39 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const Params p
   float lse = NEG_INF;
   if (m != NEG_INF) {
     float sum = 0.f;
-    for (int s = lane; s < p.num_splits; s += 32) sum += expf(lse_s[s] - m);
+#pragma unroll
+    for (int i = 0; i < LSE_PER_LANE; i++) sum += expf(lse_s[i] - m);  // a split without keys adds 0
 #pragma unroll
     for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
     lse = m + logf(sum);
-    for (int s = 0; s < p.num_splits; s++) {
-      const float ls = lse_s[s];
-      if (ls == NEG_INF) continue;  // no key of this row in split s: its o is not written
-      const float weight = expf(ls - lse);
-      const float* part = ws.o_of(row, s) + E * lane;
 #pragma unroll
-      for (int e = 0; e < E; e += 2) {
-        const float2 x = *reinterpret_cast<const float2*>(part + e);
-        acc[e] += weight * x.x;
-        acc[e + 1] += weight * x.y;
+    for (int i = 0; i < LSE_PER_LANE; i++) {
+      if (32 * i >= splits) break;
+      const float weight = expf(lse_s[i] - lse);  // of split 32 i + lane
+      for (int j0 = 0; j0 < 32 && 32 * i + j0 < splits; j0 += LOADS_IN_FLIGHT) {
+        float w[LOADS_IN_FLIGHT];
+        float2 x[LOADS_IN_FLIGHT][E / 2];
+#pragma unroll
+        for (int j = 0; j < LOADS_IN_FLIGHT; j++) {
+          const int s = 32 * i + j0 + j;
+          const float ls = __shfl_sync(0xffffffffu, lse_s[i], j0 + j);
+          w[j] = __shfl_sync(0xffffffffu, weight, j0 + j);
+          // A split that saw no key of the row left its o unset: it adds nothing. Every other
+          // split is added even where its weight underflows, so a NaN in its o reaches the row.
+          const bool saw_keys = s < splits && ls != NEG_INF;
+          const float* part = ws.o_of(row, saw_keys ? s : 0) + E * lane;
+#pragma unroll
+          for (int e = 0; e < E / 2; e++)
+            x[j][e] = saw_keys ? *reinterpret_cast<const float2*>(part + 2 * e) : make_float2(0.f, 0.f);
+          if (!saw_keys) w[j] = 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < LOADS_IN_FLIGHT; j++)
+#pragma unroll
+          for (int e = 0; e < E / 2; e++) {
+            acc[2 * e] += w[j] * x[j][e].x;
+            acc[2 * e + 1] += w[j] * x[j][e].y;
+          }
       }
     }
   }
