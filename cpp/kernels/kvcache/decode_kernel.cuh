@@ -5,20 +5,22 @@
 // packed row r = t group + g is token t of query head kv_head group + g (group = heads_q /
 // heads_kv), so one pass over a KV head's keys serves all of them. A block owns 64 packed rows of
 // one (batch row, KV head) and one split of its keys (several splits when batch x heads_kv
-// cannot fill the card; the combine pass merges them). It has two roles:
+// cannot fill the card; the combine pass merges them), or 128 packed rows where a KV head has
+// more than 64 (MQA with several tokens): then two consumer warpgroups share the K/V tiles,
+// which are read once for all 128. It has two roles:
 //   - a producer warp streams key tiles of K and V into rings of shared-memory stages with TMA:
 //     one box a tile from a contiguous cache (or a paged one with pages of at least a tile),
 //     one box a page and 64-column panel where pages are smaller than a tile, the page ids read
 //     from the page table 32 at a time across the warp;
-//   - one consumer warpgroup (64 rows, Q in registers, or in shared memory at D = 256) runs the
-//     online softmax over the tiles, as the attention forward does:
+//   - one consumer warpgroup per 64 rows (Q in registers, or in shared memory at D = 256) runs
+//     the online softmax over the tiles, as the attention forward does:
 //       S = Q K^T;  m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
 //       O = 2^(c m - c m') O + P V
 //     with c = scale log2(e); the next tile's scores are issued before this tile's P V.
 // Out: O / l and lse = ln 2 (c m + log2 l), straight into o and lse with one split, else as the
 // split's partial result into the workspace (split_workspace.cuh).
-// Two blocks share an SM (one at D = 256), so one block's start and end overlap the other's
-// streaming.
+// Two one-warpgroup blocks share an SM (one at D = 256), so one block's start and end overlap
+// the other's streaming; a two-warpgroup block has the SM to itself, with twice the stages.
 #pragma once
 
 #include <algorithm>
@@ -34,30 +36,39 @@ namespace tk::kvcache {
 
 using namespace kittens;
 
-// Packed query rows per block: the M of one warpgroup's products.
+// Packed query rows per consumer warpgroup: the M of its products.
 constexpr int PACKED_ROWS = 64;
 
-template <int D>
+template <int D, int GROUPS>
 struct decode_config {
+  static_assert(GROUPS == 1 || (GROUPS == 2 && D <= 128), "two consumer warpgroups only at D <= 128");
   static constexpr int KV = keys_per_tile(D);  // keys per tile
-  static constexpr int ROWS = PACKED_ROWS;
-  static constexpr int STAGES = 3;             // K/V tiles in flight per block
+  static constexpr int ROWS = PACKED_ROWS * GROUPS;  // packed rows per block
+  // One block an SM: a consumer thread needs ~200 registers, so a second block's warps would
+  // not fit the register file's four sub-partitions (16K registers each). Stages: 32 KB at
+  // D <= 128, 64 KB at D = 256; as many as the SM's shared memory holds.
+  static constexpr int BLOCKS_PER_SM = 1;
+  static constexpr int STAGES = D == 256 ? 3 : 6;  // K/V tiles in flight per block
   // Q stays in registers for the whole walk, except at D = 256 where O alone takes 128
   // registers a thread: there it is read from shared memory by each product.
   static constexpr bool Q_IN_SHARED = D == 256;
-  static constexpr int CONSUMER_THREADS = 128;  // warps 0-3: the consumer warpgroup
-  static constexpr int THREADS = CONSUMER_THREADS + 32;  // warp 4: the producer
-  // A stage is 32 KB at D <= 128, so two blocks of three stages fit an SM; 64 KB at D = 256.
-  static constexpr int BLOCKS_PER_SM = D == 256 ? 1 : 2;
-  // Registers a thread may use so that BLOCKS_PER_SM blocks fit the SM's 64K (a multiple of 8).
-  static constexpr int MAX_REGISTERS = std::min(255, 65536 / (BLOCKS_PER_SM * THREADS) / 8 * 8);
+  static constexpr int CONSUMER_THREADS = 128 * GROUPS;  // warpgroups 0 (and 1): the consumers
+  // The producer, after the consumers: one warp, or with two consumer warpgroups a whole
+  // warpgroup (one warp of it loads) that hands its registers to the consumers (setmaxnreg
+  // moves them per warpgroup; a ninth warp alone would cap every thread at 168).
+  static constexpr int PRODUCER_THREADS = GROUPS == 2 ? 128 : 32;
+  static constexpr int THREADS = CONSUMER_THREADS + PRODUCER_THREADS;
+  static constexpr int PRODUCER_REGS = 40;
+  static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, GROUPS);
+  // Registers a thread may use at launch (a multiple of 8, at most 255).
+  static constexpr int MAX_REGISTERS = std::min(255, 65536 / THREADS / 8 * 8);
 };
 
 struct no_tile {};
 
-template <typename T, int D>
+template <typename T, int D, int GROUPS>
 struct decode_shared {
-  using config = decode_config<D>;
+  using config = decode_config<D, GROUPS>;
   st<T, config::KV, D> k[config::STAGES], v[config::STAGES];
   std::conditional_t<config::Q_IN_SHARED, st<T, config::ROWS, D>, no_tile> q;
   ring<config::STAGES> k_ring, v_ring;
@@ -79,18 +90,18 @@ struct block_work {
   // the block's rows must not see: it gets element masks.
   int mask_below, mask_above;
 
-  template <int KV>
+  template <int KV, int ROWS>
   __device__ static block_work of(const Params& p, int block) {
     const int group = p.heads_q / p.heads_kv, packed = group * p.seq_q;
-    const int row_tiles = (packed + PACKED_ROWS - 1) / PACKED_ROWS;
+    const int row_tiles = (packed + ROWS - 1) / ROWS;
     block_work w;
-    w.row0 = block % row_tiles * PACKED_ROWS;
+    w.row0 = block % row_tiles * ROWS;
     block /= row_tiles;
     w.split = block % p.num_splits;
     block /= p.num_splits;
     w.kv_h = block % p.heads_kv;
     w.b = block / p.heads_kv;
-    w.rows = min(PACKED_ROWS, packed - w.row0);
+    w.rows = min(ROWS, packed - w.row0);
     w.seqlen = int(min(int64_t(max(p.seqlens[w.b], 0)), p.capacity));
     // Token t sits at position off + t. Keys [lo, hi) are those the first and last tokens of
     // the block's rows reach.
@@ -156,9 +167,10 @@ struct page_window {
 
 // The producer warp: K and V of tiles first_tile, first_tile + 1, ... as uses 0, 1, ... of
 // their rings.
-template <typename T, int D>
-__device__ __forceinline__ void load_tiles(decode_shared<T, D>& s, const DecodeArgs& args, const block_work& w) {
-  constexpr int KV = decode_config<D>::KV;
+template <typename T, int D, int GROUPS>
+__device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS>& s, const DecodeArgs& args,
+                                           const block_work& w) {
+  constexpr int KV = decode_config<D, GROUPS>::KV;
   const Params& p = args.p;
   const int lane = laneid();
   if (!p.paged) {
@@ -212,8 +224,9 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D>& s, const DecodeA
 // ---------------------------------------------------------------------------------------------
 // Consumers
 
-// The two packed rows of a lane (rows g and g + 8 of its warp's 16; g = lane / 4): the token
-// and query head each stands for, and whether it is one of the block's rows.
+// The two packed rows of a lane (rows g and g + 8 of its warp's 16; g = lane / 4; the warps of
+// the second consumer warpgroup hold rows 64-127): the token and query head each stands for,
+// and whether it is one of the block's rows.
 struct lane_rows {
   bool valid[2];
   int token[2], head[2];
@@ -278,17 +291,17 @@ __device__ __forceinline__ void mask_keys(rt_fl<16, KV>& scores, const int (&key
 // the cache holds there (NaN included, or an older tile where pages were not loaded) would
 // still reach O through 0 x V. Whole 128-byte rows of each panel: the swizzle only permutes
 // chunks inside a row.
-template <typename T, int D, int KV>
+template <typename T, int D, int KV, int CONSUMER_THREADS>
 __device__ __forceinline__ void zero_rows_from(st<T, KV, D>& tile, int valid_rows) {
   constexpr int CHUNKS = 8;  // 16-byte chunks per 128-byte panel row
   const int rows = KV - valid_rows, n = rows * (D / 64) * CHUNKS;
   char* base = reinterpret_cast<char*>(tile.data);
-  for (int i = threadIdx.x; i < n; i += decode_config<D>::CONSUMER_THREADS) {
+  for (int i = threadIdx.x; i < n; i += CONSUMER_THREADS) {
     const int chunk = i % CHUNKS, rest = i / CHUNKS, row = valid_rows + rest % rows, panel = rest / rows;
     *reinterpret_cast<uint4*>(base + (panel * KV + row) * 128 + chunk * 16) = make_uint4(0, 0, 0, 0);
   }
   warpgroup::fence_shared_to_async();
-  named_barrier_sync(1, decode_config<D>::CONSUMER_THREADS);
+  named_barrier_sync(1, CONSUMER_THREADS);  // every consumer warpgroup reads the tile next
 }
 
 // O / l and lse of the lane's rows: into o and lse with one split, else the split's partial
@@ -330,10 +343,10 @@ __device__ __forceinline__ void store_rows(rt_fl<16, D>& o, const row_vec<16>& m
   }
 }
 
-// The consumer warpgroup: attention of the block's rows over its key tiles.
-template <typename T, int D>
-__device__ __forceinline__ void attend(decode_shared<T, D>& s, const Params& p, const block_work& w) {
-  using config = decode_config<D>;
+// A consumer warpgroup: attention of its 64 of the block's rows over the block's key tiles.
+template <typename T, int D, int GROUPS>
+__device__ __forceinline__ void attend(decode_shared<T, D, GROUPS>& s, const Params& p, const block_work& w) {
+  using config = decode_config<D, GROUPS>;
   constexpr int KV = config::KV;
   const float c = p.scale * LOG2E;
   const int tiles = w.tiles();
@@ -375,7 +388,8 @@ __device__ __forceinline__ void attend(decode_shared<T, D>& s, const Params& p, 
   auto add_pv = [&](int i, const rt<T, 16, KV>& probs) {  // O += P_i V_i, issued asynchronously
     const int stage = s.v_ring.acquire(i);
     const int k0 = (w.first_tile + i) * KV;
-    if (k0 + KV > w.seqlen) zero_rows_from(s.v[stage], w.seqlen - k0);  // the last tile of the keys
+    if (k0 + KV > w.seqlen)  // the last tile of the keys
+      zero_rows_from<T, D, KV, config::CONSUMER_THREADS>(s.v[stage], w.seqlen - k0);
     warpgroup::mma_AB(o, probs, s.v[stage], true);
   };
 
@@ -411,22 +425,29 @@ __device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddep
 __device__ __forceinline__ void wait_for_prerequisite_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
 // Block i: packed row tile i % row_tiles, then split, KV head and batch row (block_work::of).
-template <typename T, int D>
-__global__ void __launch_bounds__(decode_config<D>::THREADS) __maxnreg__(decode_config<D>::MAX_REGISTERS)
+template <typename T, int D, int GROUPS, typename config = decode_config<D, GROUPS>>
+__global__ void __launch_bounds__(config::THREADS, 1) __maxnreg__(config::MAX_REGISTERS)
     decode_kernel(const __grid_constant__ DecodeArgs args) {
-  using config = decode_config<D>;
   allow_dependent_launch();
   extern __shared__ char smem_raw[];
-  auto& s = aligned_shared<decode_shared<T, D>>(smem_raw);
-  const block_work w = block_work::of<config::KV>(args.p, blockIdx.x);
+  auto& s = aligned_shared<decode_shared<T, D, GROUPS>>(smem_raw);
+  const block_work w = block_work::of<config::KV, config::ROWS>(args.p, blockIdx.x);
   if (threadIdx.x == 0) {
     s.k_ring.init(config::CONSUMER_THREADS / 32);  // one release per consumer warp
     s.v_ring.init(config::CONSUMER_THREADS / 32);
     tma::fence_barrier_init();
   }
   __syncthreads();
-  if (threadIdx.x >= config::CONSUMER_THREADS) load_tiles(s, args, w);
-  else attend(s, args.p, w);
+  if constexpr (GROUPS == 1) {
+    if (threadIdx.x >= config::CONSUMER_THREADS) load_tiles(s, args, w);
+    else attend(s, args.p, w);
+  } else if (threadIdx.x >= config::CONSUMER_THREADS) {
+    warpgroup::decrease_registers<config::PRODUCER_REGS>();
+    if (threadIdx.x < config::CONSUMER_THREADS + 32) load_tiles(s, args, w);
+  } else {
+    warpgroup::increase_registers<config::CONSUMER_REGS>();
+    attend(s, args.p, w);
+  }
 }
 
 }  // namespace tk::kvcache

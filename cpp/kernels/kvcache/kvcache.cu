@@ -12,16 +12,29 @@ namespace tk::kvcache {
 // loads, Q) stays small next to its work.
 constexpr int64_t MIN_TILES_PER_SPLIT = 4;
 
-static int64_t blocks_per_sm(int64_t head_dim) {
+static int64_t packed_rows(int64_t heads_q, int64_t heads_kv, int64_t seq_q) {
+  return heads_q / std::max<int64_t>(heads_kv, 1) * seq_q;
+}
+
+// Consumer warpgroups a block runs: two where a KV head has more than 64 packed rows, so that
+// its keys are read once for 128 of them (one at D = 256, whose Q lives in shared memory).
+static int consumer_groups(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim) {
+  return head_dim <= 128 && packed_rows(heads_q, heads_kv, seq_q) > PACKED_ROWS ? 2 : 1;
+}
+
+static int64_t blocks_per_sm(int64_t head_dim, int groups) {
+  if (groups == 2) return head_dim == 64 ? decode_config<64, 2>::BLOCKS_PER_SM : decode_config<128, 2>::BLOCKS_PER_SM;
   switch (head_dim) {
-    case 64: return decode_config<64>::BLOCKS_PER_SM;
-    case 128: return decode_config<128>::BLOCKS_PER_SM;
-    default: return decode_config<256>::BLOCKS_PER_SM;
+    case 64: return decode_config<64, 1>::BLOCKS_PER_SM;
+    case 128: return decode_config<128, 1>::BLOCKS_PER_SM;
+    default: return decode_config<256, 1>::BLOCKS_PER_SM;
   }
 }
 
-static int64_t query_row_tiles(int64_t heads_q, int64_t heads_kv, int64_t seq_q) {
-  return (heads_q / std::max<int64_t>(heads_kv, 1) * seq_q + PACKED_ROWS - 1) / PACKED_ROWS;
+// Blocks per (batch row, KV head, split): the packed rows in tiles of one block's rows.
+static int64_t query_row_tiles(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim) {
+  const int64_t rows = PACKED_ROWS * consumer_groups(heads_q, heads_kv, seq_q, head_dim);
+  return (packed_rows(heads_q, heads_kv, seq_q) + rows - 1) / rows;
 }
 
 int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int64_t capacity,
@@ -32,7 +45,7 @@ int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, 
   if (requested > 0) return int(std::min(requested, most));
   // Blocks without splits: one per (batch row, KV head, PACKED_ROWS query rows). When they fill
   // the card, splitting only adds work.
-  const int64_t blocks = batch * heads_kv * query_row_tiles(heads_q, heads_kv, seq_q);
+  const int64_t blocks = batch * heads_kv * query_row_tiles(heads_q, heads_kv, seq_q, head_dim);
   if (multiprocessors < 1 || blocks < 1 || blocks >= multiprocessors) return 1;
   // Else split the keys, so that the blocks keep every multiprocessor streaming to the end:
   // with n = blocks x splits spread evenly, the busy fraction of the last round is
@@ -41,7 +54,7 @@ int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, 
   // MIN_TILES_PER_SPLIT tiles, and keep the partial results (2 x 4 bytes per query row and
   // column per split, written then read) under the K/V bytes they summarise.
   const int64_t group = heads_q / std::max<int64_t>(heads_kv, 1);
-  const int64_t resident = multiprocessors * blocks_per_sm(head_dim);
+  const int64_t resident = multiprocessors * blocks_per_sm(head_dim, consumer_groups(heads_q, heads_kv, seq_q, head_dim));
   int64_t limit = std::min({most, std::max<int64_t>(1, tiles / MIN_TILES_PER_SPLIT),
                             std::max<int64_t>(1, capacity / (2 * group * seq_q)),
                             std::max<int64_t>(1, resident / blocks)});
@@ -83,14 +96,15 @@ const char* unsupported(const Params& p) {
     if (int64_t(p.batch / p.rows_per_pool) * p.pages_per_pool >= (int64_t(1) << 31))
       return "too many pages (2^31 or more)";
   }
-  const int64_t blocks = query_row_tiles(p.heads_q, p.heads_kv, p.seq_q) * p.num_splits * p.heads_kv * p.batch;
+  const int64_t blocks =
+      query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, p.head_dim) * p.num_splits * p.heads_kv * p.batch;
   if (blocks >= (int64_t(1) << 31)) return "too many blocks for one grid";
   return nullptr;
 }
 
-template <typename T, int D>
+template <typename T, int D, int GROUPS>
 static cudaError_t decode_typed(Params p, cudaStream_t stream) {
-  using config = decode_config<D>;
+  using config = decode_config<D, GROUPS>;
   // Window bounds beyond any cache are unbounded; clamped, key positions stay inside int.
   p.window_left = std::min(p.window_left, UNBOUNDED);
   p.window_right = std::min(p.window_right, UNBOUNDED);
@@ -114,11 +128,13 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
     if (!ok) return cudaErrorInvalidValue;
   }
   args.p = p;
-  const int blocks = int(query_row_tiles(p.heads_q, p.heads_kv, p.seq_q) * p.num_splits * p.heads_kv * p.batch);
-  const int smem = int(sizeof(decode_shared<T, D>)) + 1024;
-  static_assert(sizeof(decode_shared<T, D>) + 1024 <= 227 * 1024 / config::BLOCKS_PER_SM - 1024,
+  const int blocks =
+      int(query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, D) * p.num_splits * p.heads_kv * p.batch);
+  const int smem = int(sizeof(decode_shared<T, D, GROUPS>)) + 1024;
+  static_assert(sizeof(decode_shared<T, D, GROUPS>) + 1024 <= 227 * 1024 / config::BLOCKS_PER_SM - 1024,
                 "the blocks of an SM must fit its shared memory");
-  if (cudaError_t err = launch_with_shared<decode_kernel<T, D>>(dim3(blocks), config::THREADS, smem, stream, args);
+  if (cudaError_t err =
+          launch_with_shared<decode_kernel<T, D, GROUPS>>(dim3(blocks), config::THREADS, smem, stream, args);
       err != cudaSuccess)
     return err;
   if (p.num_splits == 1) return cudaSuccess;
@@ -140,10 +156,11 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
 
 template <typename T>
 static cudaError_t decode_dim(const Params& p, cudaStream_t stream) {
+  const bool two = consumer_groups(p.heads_q, p.heads_kv, p.seq_q, p.head_dim) == 2;
   switch (p.head_dim) {
-    case 64: return decode_typed<T, 64>(p, stream);
-    case 128: return decode_typed<T, 128>(p, stream);
-    case 256: return decode_typed<T, 256>(p, stream);
+    case 64: return two ? decode_typed<T, 64, 2>(p, stream) : decode_typed<T, 64, 1>(p, stream);
+    case 128: return two ? decode_typed<T, 128, 2>(p, stream) : decode_typed<T, 128, 1>(p, stream);
+    case 256: return decode_typed<T, 256, 1>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }
