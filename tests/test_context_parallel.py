@@ -101,9 +101,12 @@ def assert_matches_oracle(result, q, k, v, do, *, window, tol=TOL, dlse=None):
 # 1. Static plans: every visible pair computed exactly once, nothing else.
 
 
-def _positions(layout, device, n, length):
+def _positions(layout, device, n, length, rows_swapped=False):
     pos = np.empty(length, int)
-    for c in plans.layout_chunks(layout, device, n, length):
+    chunks = plans.layout_chunks(layout, device, n, length)
+    if rows_swapped:
+        chunks = plans.swapped_chunks(chunks, length)
+    for c in chunks:
         pos[c.local_start:c.local_start + c.length] = c.global_start + np.arange(c.length)
     return pos
 
@@ -123,22 +126,40 @@ def _block_coverage(blocks, q_pos, k_pos, tq, tk):
 WINDOWS = [(-1, -1), (-1, 0), (0, 0), (1, 0), (3, 0), (2, 1), (5, 4), (-1, 2), (1, -1)]
 
 
+def _step_blocks(step, device):
+    """The blocks a device runs in a step: its branch, or for a step by lengths the step's
+    one block cut to the device's lengths (which must be its branch)."""
+    if step.lengths is None:
+        return step.blocks_of(device)
+    table = step.lengths
+    q_len, kv_len = table.q_lengths[device], table.kv_lengths[device]
+    assert q_len <= table.rows and kv_len <= table.keys
+    cut = (plans.Block(0, q_len, 0, kv_len, -1, -1, q_len * kv_len),)
+    assert cut == step.blocks_of(device)
+    return cut
+
+
+@pytest.mark.parametrize("by_lengths", [True, False], ids=["lengths", "switch"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
-def test_ring_plans_cover_exactly_the_visible_pairs(n):
+def test_ring_plans_cover_exactly_the_visible_pairs(n, by_lengths):
     for layout in (plans.CONTIGUOUS, plans.LOAD_BALANCED):
         for local in (2, 6):
             for lk in ((local,) if layout == plans.LOAD_BALANCED else (local, 3)):
                 tq, tk = n * local, n * lk
                 for window in WINDOWS:
                     want = visible_mask(tq, tk, *window)
-                    plan = plans.ring_plan(n, layout, local, lk, tk - tq, *window)
+                    plan = plans.ring_plan(n, layout, local, lk, tk - tq, *window,
+                                           by_lengths=by_lengths)
                     for r in range(n):
-                        q_pos = _positions(layout, r, n, local)
                         covered = np.zeros((tq, tk), int)
                         for s, step in enumerate(plan.steps):
+                            assert by_lengths or step.lengths is None
+                            q_pos = _positions(layout, r, n, local, step.rows_swapped)
                             k_pos = _positions(layout, (r - s) % n, n, lk)
-                            covered += _block_coverage(step.blocks_of(r), q_pos, k_pos, tq, tk)
+                            covered += _block_coverage(_step_blocks(step, r), q_pos, k_pos, tq,
+                                                       tk)
                         expected = np.zeros((tq, tk), int)
+                        q_pos = _positions(layout, r, n, local)
                         expected[q_pos] = want[q_pos]
                         assert np.array_equal(covered, expected), (layout, local, lk, window, r)
 
@@ -168,6 +189,33 @@ def test_load_balanced_causal_ring_gives_every_device_the_same_work():
     assert plans.ring_time(balanced) < 0.6 * plans.ring_time(contiguous)
     # Contiguous: device r has nothing to do once the keys come from after it.
     assert contiguous.steps[1].blocks_of(0) == ()
+
+
+def test_load_balanced_causal_ring_steps_run_by_lengths():
+    """Beyond the diagonal, every step is one call on every device: the queries with their
+    chunks swapped against all the keys, device r's part given as lengths (c = half a block):
+    for keys from j < r all 2c rows see j's first chunk, for j > r the first c rows (r's
+    second chunk) see all 2c keys. The diagonal is one causal call in the layout's order."""
+    n, local = 4, 8
+    c = local // 2
+    plan = plans.ring_plan(n, plans.LOAD_BALANCED, local, local, 0, -1, 0)
+    assert plan.rows_swapped
+    diagonal, *others = plan.steps
+    assert diagonal.lengths is None and not diagonal.rows_swapped
+    assert diagonal.branches == ((plans.Block(0, local, 0, local, -1, 0, c * (2 * c + 1)),),)
+    for s, step in enumerate(others, 1):
+        assert step.rows_swapped and (step.lengths.rows, step.lengths.keys) == (local, local)
+        sources = [(r - s) % n for r in range(n)]
+        assert step.lengths.q_lengths == tuple(c if j > r else 2 * c
+                                               for r, j in enumerate(sources))
+        assert step.lengths.kv_lengths == tuple(c if j < r else 2 * c
+                                                for r, j in enumerate(sources))
+    # Not by lengths: a masked block (a window), several blocks, or a device without work.
+    for layout, window in ((plans.LOAD_BALANCED, (3, 0)), (plans.CONTIGUOUS, (-1, 0))):
+        assert all(step.lengths is None for step in
+                   plans.ring_plan(n, layout, local, local, 0, *window).steps)
+    switch = plans.ring_plan(n, plans.LOAD_BALANCED, local, local, 0, -1, 0, by_lengths=False)
+    assert not switch.rows_swapped and all(len(s.branches) == 2 for s in switch.steps[1:])
 
 
 def test_window_ends_the_ring_early():
@@ -316,9 +364,17 @@ def simulated_time(jaxpr, transfer: float) -> float:
     return max((time_of(x) for x in jaxpr.outvars), default=0.0)
 
 
+@pytest.fixture(params=["lengths", "switch"])
+def ring_steps(request, monkeypatch):
+    """Both ways of running a ring step whose work differs between devices: one call with
+    per-device lengths where the plan allows (the default), or a switch on the device index."""
+    monkeypatch.setenv(_context_parallel.STEPS_ENV, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("mask, load_balanced", [("causal", True), ("causal", False),
                                                  ("full", False)])
-def test_ring_transfers_overlap_the_computation(dense, rng, mask, load_balanced):
+def test_ring_transfers_overlap_the_computation(dense, rng, ring_steps, mask, load_balanced):
     """Give every transfer a cost below a ring step's computation: forward and backward must
     take no longer than with free transfers (each is hidden behind a step; the backward's
     first keys are the forward's, kept). A ring whose computation waits for a transfer issued
@@ -341,6 +397,36 @@ def test_ring_transfers_overlap_the_computation(dense, rng, mask, load_balanced)
     windowed = ring(mesh_of((n,), ("seq",)), "seq", backend=dense, window_size=(local - 1, 0),
                     load_balanced=False)
     assert _ppermutes(jax.make_jaxpr(windowed)(q, k, v).jaxpr) == 1
+
+
+def _switches(jaxpr) -> int:
+    return sum(e.primitive.name == "cond" for e in _all_eqns(jaxpr))
+
+
+def test_load_balanced_causal_ring_runs_without_a_switch(dense, rng, ring_steps):
+    """By lengths (the default), the load-balanced causal ring has no switch on the device
+    index (on GPU a host round trip every step), forward or backward, in shard_map and in a
+    sequence-sharded flash_attention alike; TK_JAX_RING_STEPS=switch keeps one per step. Both
+    match the oracle, lse and its cotangent included."""
+    n, t = 4, 16
+    mesh = mesh_of((n,), ("seq",))
+    q, k, v, do = random_arrays(rng, (2, t, 4, 8), (2, t, 2, 8), (2, t, 2, 8), (2, t, 4, 8))
+    run = outputs_and_grads(ring(mesh, "seq", backend=dense, causal=True))
+    switches = _switches(jax.make_jaxpr(run)(q, k, v, do).jaxpr)
+    assert switches == (0 if ring_steps == "lengths" else 2 * (n - 1))  # steps 1..n-1, twice
+    result = in_layout(jax.jit(run), True, n, q, k, v, do)
+    assert_matches_oracle(result, q, k, v, do, window=(-1, 0))
+
+    dlse = random_arrays(rng, (2, 4, t))[0]
+    attend = functools.partial(tk_jax.flash_attention, causal=True, backend=dense,
+                               return_lse=True)
+    split = NamedSharding(mesh, P(None, "seq"))
+    args = [jax.device_put(x, split) for x in (q, k, v, do)]
+    args.append(jax.device_put(dlse, NamedSharding(mesh, P(None, None, "seq"))))
+    compiled = jax.jit(outputs_and_grads(attend, with_lse=True)).lower(*args).compile()
+    conditionals = compiled.as_text().count(" conditional(")
+    assert conditionals == 0 if ring_steps == "lengths" else conditionals > 0
+    assert_matches_oracle(compiled(*args), q, k, v, do, window=(-1, 0), dlse=dlse)
 
 
 def test_ring_attention_bf16_on_the_reference_blocks(kernel_path, rng):
@@ -514,11 +600,13 @@ def test_sequence_split_with_kv_heads_picked_per_device_is_gathered_with_a_warni
     assert_close(o, o_ref, "o", TOL)
 
 
+@pytest.mark.parametrize("by_lengths", [True, False], ids=["lengths", "switch"])
 @pytest.mark.parametrize("layout", [plans.CONTIGUOUS, plans.LOAD_BALANCED])
-def test_ring_carries_segment_ids(rng, layout):
+def test_ring_carries_segment_ids(rng, layout, by_lengths):
     """The ring with packed sequences: the keys' segment ids travel with K/V (in the same
-    payload) and every block gets the slices of both; rows whose segment has no visible key
-    (padding: queries and keys get different ids) give lse = -inf and zero gradients."""
+    payload) and every block gets the slices of both (with a step's lengths, where it has
+    them); rows whose segment has no visible key (padding: queries and keys get different
+    ids) give lse = -inf and zero gradients."""
     n, b, local, h, d = 4, 2, 8, 2, 8
     t = n * local
     q, k, v, do = random_arrays(rng, *[(b, t, h, d)] * 4)
@@ -531,7 +619,7 @@ def test_ring_carries_segment_ids(rng, layout):
              (lambda x: tk_jax.to_load_balanced(jnp.asarray(x), n, axis=1)))
     back = ((lambda x: x) if layout == plans.CONTIGUOUS else
             (lambda x, axis=1: tk_jax.from_load_balanced(x, n, axis=axis)))
-    plan = plans.ring_plan(n, layout, local, local, 0, -1, 0)
+    plan = plans.ring_plan(n, layout, local, local, 0, -1, 0, by_lengths=by_lengths)
     scale = 1.0 / np.sqrt(d)
 
     def attend(q, k, v, window_left, window_right, **segments):

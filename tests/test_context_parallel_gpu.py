@@ -144,10 +144,13 @@ def test_sequence_sharded_flash_attention_matches_one_gpu(gpus, rng, monkeypatch
     assert_matches((o, grads), expected)
 
 
-def test_ring_transfers_are_scheduled_around_kernel_calls(gpus, rng):
+@pytest.mark.parametrize("steps", ["lengths", "switch"])
+def test_ring_transfers_are_scheduled_around_kernel_calls(gpus, rng, monkeypatch, steps):
     """With the latency-hiding scheduler every transfer of the ring (forward and backward) has
     a kernel call or a switch of them between its start and its done: the schedule lets it
-    overlap. Printed for the default scheduler too."""
+    overlap. Printed for the default scheduler too. Both ways of running the steps whose work
+    differs between devices: one call with per-device lengths, or a switch."""
+    monkeypatch.setenv(_context_parallel.STEPS_ENV, steps)
     n = len(gpus)
     q, k, v, do = inputs(rng, n * 2048, 8, 8)
     mesh, spec = Mesh(np.array(gpus), ("seq",)), P(None, "seq")

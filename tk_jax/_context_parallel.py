@@ -12,6 +12,19 @@ Which blocks a device computes, and with which mask, is planned statically
 (tk_jax/_ring_plan.py); a step that no device has work in is skipped, and devices with
 different work in one step take different branches of a switch on the device index.
 
+Steps by lengths. On GPU a switch makes the host read the branch index every step, a round
+trip that drains the queue. Where the plan marks a step as one call by lengths (every
+device's work one unmasked rectangle from local row 0 and key 0: the load-balanced causal
+ring beyond its diagonal, with the queries' two chunks swapped), every device makes the same
+call and its own rectangle reaches the kernels as q_seq_lengths / kv_seq_lengths, looked up
+in the plan's static table by lax.axis_index: device arrays, no branch. The kernels skip the
+rows and keys past the lengths; those rows come back o = 0, lse = -inf (a no-op in merge) and
+zero gradients. The queries' swapped copy is made once per forward (q) and once per backward
+(q, o, lse, do, dlse); the accumulators (o, lse; dq) are kept in the swapped order, so only
+the diagonal step's result changes order, where it is written or added, and the result once,
+where it is cast. TK_JAX_RING_STEPS=switch plans every such step as a switch again, for
+comparing the two (the GPU measurement of that comparison is still to be made).
+
 Overlap. The ring is unrolled (a Python loop, not a scan), so every transfer is its own pair of
 collective-permute-start/done in one straight-line program: the next block's transfer is
 issued before this block's computation and only the next step's computation waits for it.
@@ -39,15 +52,41 @@ from tk_jax import _ring_plan as plans
 from tk_jax._ring_plan import CONTIGUOUS, LOAD_BALANCED
 
 AxisName = Hashable  # a mesh axis name, or a tuple of them
-# attend(q, k, v, window_left, window_right, **segments) -> (o, lse [B, Hq, Tq] f32), on
-# local blocks; segments: {} or the block's q_segment_ids and kv_segment_ids ([B, rows] int32).
+# attend(q, k, v, window_left, window_right, **masks) -> (o, lse [B, Hq, Tq] f32), on local
+# blocks; masks: any of the block's q_segment_ids and kv_segment_ids ([B, rows] / [B, keys]
+# int32) and q_seq_lengths and kv_seq_lengths ([B] int32: rows and keys at or past a length
+# are padding, as in the kernels).
 BlockForward = Callable
-# attend_bwd(q, k, v, o, lse, do, dlse or None, window_left, window_right, **segments)
+# attend_bwd(q, k, v, o, lse, do, dlse or None, window_left, window_right, **masks)
 # -> (dq, dk, dv).
 BlockBackward = Callable
 
 RING, ALL_GATHER, WHOLE_KV = "ring", "all_gather", "whole_kv"
 EXCHANGE_ENV = "TK_JAX_CONTEXT_PARALLEL"  # "ring" | "all_gather" | unset ("auto")
+# "switch": every ring step whose work differs between devices is a switch on the device
+# index; unset ("lengths"): such a step runs as one call with per-device lengths where the
+# plan allows (tk_jax/_ring_plan.py). For comparing the two; read when a plan is made.
+STEPS_ENV = "TK_JAX_RING_STEPS"
+
+
+def _env_choice(name: str, choices: tuple, default: str) -> str:
+    """The environment variable `name`, one of `choices`, else `default`. A value not among
+    them is ignored with a warning rather than an error: this runs inside XLA's partitioner
+    too, where an exception would end the compilation (or the process)."""
+    value = os.environ.get(name, default)
+    if value in choices:
+        return value
+    from tk_jax._partitioning import _warn_once
+    allowed = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
+    _warn_once(f"env-{name}-{value}", f"tk_jax: {name} must be {allowed}, got {value!r}; "
+                                      f"ignored")
+    return default
+
+
+def steps_by_lengths() -> bool:
+    """Whether ring plans may run a step whose work differs between devices as one call with
+    per-device lengths (the default), rather than as a switch (TK_JAX_RING_STEPS=switch)."""
+    return _env_choice(STEPS_ENV, ("lengths", "switch"), "lengths") == "lengths"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,21 +177,63 @@ def replace_rows(x, rows: slice, new, *, axis: int):
 
 
 def _run_step(step: plans.Step, axis_name, branch: Callable, *operands):
-    """branch(blocks, *operands) with this device's blocks of the step: called directly when
-    every device has the same blocks, else through lax.switch on the device index (each
-    device runs only its own branch)."""
+    """branch(blocks, *operands, lengths=...) with this device's blocks of the step: called
+    directly when every device has the same blocks; for a step by lengths, called once with
+    the step's one block and this device's (q_len, kv_len) (int32 scalars, looked up by the
+    device index in the plan's table: no host round trip, unlike a switch); else through
+    lax.switch on the device index (each device runs only its own branch)."""
+    if step.lengths is not None:
+        me = lax.axis_index(axis_name)
+        table = step.lengths
+        lengths = tuple(jnp.asarray(t, jnp.int32)[me]
+                        for t in (table.q_lengths, table.kv_lengths))
+        return branch((table.block,), *operands, lengths=lengths)
     if len(step.branches) == 1:
         return branch(step.branches[0], *operands)
     index = jnp.asarray(step.branch_of_device, jnp.int32)[lax.axis_index(axis_name)]
     return lax.switch(index, [functools.partial(branch, b) for b in step.branches], *operands)
 
 
-def _touched_rows(step: plans.Step, rows: np.ndarray) -> np.ndarray:
-    """`rows` (True: no device has written this output row yet) after the step."""
+def _length_masks(lengths, batch: int) -> dict:
+    """A block's sequence lengths (scalars, the same for every batch row) as the kernels take
+    them, or {} without."""
+    if lengths is None:
+        return {}
+    q_len, kv_len = lengths
+    return {"q_seq_lengths": jnp.broadcast_to(q_len, (batch,)),
+            "kv_seq_lengths": jnp.broadcast_to(kv_len, (batch,))}
+
+
+def _swap_halves(x, axis: int):
+    """x with the two halves along `axis` exchanged (its own inverse); None stays None."""
+    if x is None:
+        return None
+    first, second = _halves(x, axis)
+    return jnp.concatenate([second, first], axis=axis)
+
+
+def _accumulator_rows(start: int, stop: int, length: int, moved: bool) -> list:
+    """Rows [start, stop) of a block (of `length` local rows) as pairs (rows of the block's
+    result, rows of the accumulators): one pair, the same rows, when the step and the
+    accumulators count the rows alike; else (`moved`: one of them has the halves exchanged)
+    the block cut at the middle and each part moved by half the length."""
+    if not moved:
+        return [(slice(0, stop - start), slice(start, stop))]
+    half = length // 2
+    pairs = []
+    for lo, hi, shift in ((start, min(stop, half), half), (max(start, half), stop, -half)):
+        if lo < hi:
+            pairs.append((slice(lo - start, hi - start), slice(lo + shift, hi + shift)))
+    return pairs
+
+
+def _touched_rows(step: plans.Step, rows: np.ndarray, moved: bool) -> np.ndarray:
+    """`rows` (True: no device has written this accumulator row yet) after the step."""
     rows = rows.copy()
     for blocks in step.branches:
         for b in blocks:
-            rows[b.q_start:b.q_stop] = False
+            for _, written in _accumulator_rows(b.q_start, b.q_stop, len(rows), moved):
+                rows[written] = False
     return rows
 
 
@@ -176,25 +257,31 @@ def _segments(q_segment_ids, kv, rows, keys) -> dict:
     return {"q_segment_ids": q_segment_ids[:, rows], "kv_segment_ids": kv[2][:, keys]}
 
 
-def _forward_blocks(attend: BlockForward, unwritten: np.ndarray, q_segment_ids, blocks, q, kv,
-                    acc):
+def _forward_blocks(attend: BlockForward, unwritten: np.ndarray, q_segment_ids, moved: bool,
+                    blocks, q, kv, acc, lengths=None):
     """Merge this device's blocks against the keys `kv` = (k, v[, kv_segment_ids]) into
-    acc = (o f32, lse). Rows that no device has written yet (`unwritten`, static) take the
-    block's result as it is."""
+    acc = (o f32, lse). q and q_segment_ids count the rows in the step's order; `moved`: the
+    accumulators count them with the halves exchanged (see _accumulator_rows). Rows that no
+    device has written yet (`unwritten`, static, accumulator order) take the block's result
+    as it is; rows past a length come back o = 0, lse = -inf, which merge leaves as they
+    were."""
     k, v = kv[:2]
     o_acc, lse_acc = acc
     unwritten = unwritten.copy()
     for b in blocks:
         rows, keys = slice(b.q_start, b.q_stop), slice(b.k_start, b.k_stop)
         o, lse = attend(q[:, rows], k[:, keys], v[:, keys], b.window_left, b.window_right,
-                        **_segments(q_segment_ids, kv, rows, keys))
-        if unwritten[rows].all():
-            o_new, lse_new = o.astype(jnp.float32), lse
-        else:
-            o_new, lse_new = merge(o_acc[:, rows], lse_acc[..., rows], o, lse)
-        unwritten[rows] = False
-        o_acc = replace_rows(o_acc, rows, o_new, axis=1)
-        lse_acc = replace_rows(lse_acc, rows, lse_new, axis=2)
+                        **_segments(q_segment_ids, kv, rows, keys),
+                        **_length_masks(lengths, q.shape[0]))
+        for part, target in _accumulator_rows(b.q_start, b.q_stop, q.shape[1], moved):
+            o_part, lse_part = o[:, part], lse[..., part]
+            if unwritten[target].all():
+                o_new, lse_new = o_part.astype(jnp.float32), lse_part
+            else:
+                o_new, lse_new = merge(o_acc[:, target], lse_acc[..., target], o_part, lse_part)
+            unwritten[target] = False
+            o_acc = replace_rows(o_acc, target, o_new, axis=1)
+            lse_acc = replace_rows(lse_acc, target, lse_new, axis=2)
     return o_acc, lse_acc
 
 
@@ -222,6 +309,14 @@ def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: 
     ring of one step), for ring_backward, whose first step needs them."""
     acc = _empty_forward(q, v)
     unwritten = np.ones(q.shape[1], bool)
+    # The queries in each row order the steps count in (the swapped copy made once), the
+    # accumulators in the swapped one where there is one: only the diagonal step's result
+    # then moves, as it is written (converted to float32 anyway), and the result moves back
+    # once, as it is cast.
+    swapped = plan.rows_swapped
+    queries = {False: (q, q_segment_ids)}
+    if swapped:
+        queries[True] = (_swap_halves(q, 1), _swap_halves(q_segment_ids, 1))
     kv = _with_segments(k, v, kv_segment_ids)
     likes = tuple(map(_shape_of, kv))
     payload = pack(kv) if len(plan.steps) > 1 else None
@@ -235,11 +330,16 @@ def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: 
             payload = send(payload, axis_name, plan.num_devices)
             if index == 0:
                 neighbour_keys = payload
-        branch = functools.partial(_forward_blocks, attend, unwritten, q_segment_ids)
-        acc = _run_step(step, axis_name, branch, q, kv, acc)
-        unwritten = _touched_rows(step, unwritten)
+        q_step, q_segment_ids_step = queries[step.rows_swapped]
+        moved = step.rows_swapped != swapped
+        branch = functools.partial(_forward_blocks, attend, unwritten, q_segment_ids_step,
+                                   moved)
+        acc = _run_step(step, axis_name, branch, q_step, kv, acc)
+        unwritten = _touched_rows(step, unwritten, moved)
         kv = None if last else unpack(payload, likes)
     o, lse = acc
+    if swapped:
+        o, lse = _swap_halves(o, 1), _swap_halves(lse, 2)
     if keep_neighbour_keys:
         return o.astype(q.dtype), lse, neighbour_keys
     return o.astype(q.dtype), lse
@@ -250,7 +350,7 @@ def whole_keys_forward(q, k, v, *, step: plans.Step, axis_name: AxisName,
     """Forward with all keys and values on this device (k, v [B, Tk, Hkv, D] in global
     order), its queries in the layout `step` was planned for."""
     branch = functools.partial(_forward_blocks, attend, np.ones(q.shape[1], bool),
-                               q_segment_ids)
+                               q_segment_ids, False)
     o, lse = _run_step(step, axis_name, branch, q, _with_segments(k, v, kv_segment_ids),
                        _empty_forward(q, v))
     return o.astype(q.dtype), lse
@@ -261,10 +361,12 @@ def whole_keys_forward(q, k, v, *, step: plans.Step, axis_name: AxisName,
 # dq, dk and dv (the gradient is a sum over blocks).
 
 
-def _backward_blocks(attend_bwd: BlockBackward, saved, blocks, kv, dq):
+def _backward_blocks(attend_bwd: BlockBackward, saved, moved: bool, blocks, kv, dq,
+                     lengths=None):
     """This device's blocks against the keys `kv` = (k, v[, kv_segment_ids]): dq (float32,
     local) accumulated, and the block's dk, dv contributions returned as float32 arrays
-    shaped like k, v (zero where none)."""
+    shaped like k, v (zero where none). `saved` counts the rows in the step's order; `moved`:
+    dq counts them with the halves exchanged (see _accumulator_rows)."""
     q, o, lse, do, dlse, q_segment_ids = saved
     k, v = kv[:2]
     gk, gv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
@@ -274,8 +376,10 @@ def _backward_blocks(attend_bwd: BlockBackward, saved, blocks, kv, dq):
         dq_b, dk_b, dv_b = attend_bwd(
             q[:, rows], k[:, keys], v[:, keys], o[:, rows], lse[..., rows], do[:, rows],
             None if dlse is None else dlse[..., rows], b.window_left, b.window_right,
-            **_segments(q_segment_ids, kv, rows, keys))
-        dq = replace_rows(dq, rows, dq[:, rows] + dq_b.astype(jnp.float32), axis=1)
+            **_segments(q_segment_ids, kv, rows, keys), **_length_masks(lengths, q.shape[0]))
+        for part, target in _accumulator_rows(b.q_start, b.q_stop, q.shape[1], moved):
+            dq = replace_rows(dq, target, dq[:, target] + dq_b[:, part].astype(jnp.float32),
+                              axis=1)
         fresh = unwritten[keys].all()
         unwritten[keys] = False
         gk = replace_rows(gk, keys, dk_b.astype(jnp.float32) if fresh else
@@ -307,8 +411,17 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
         # forward's own transfer of that time nothing to overlap (XLA then runs it
         # synchronously).
         kv_words, do = _after(kv_words, do)
-    saved = (q, o, lse, do, dlse, q_segment_ids)
-    branch = functools.partial(_backward_blocks, attend_bwd, saved)
+    # The query-side arrays in each row order the steps count in (the swapped copies made
+    # once), dq in the swapped one where there is one (see ring_forward).
+    swapped = plan.rows_swapped
+    saved = {False: (q, o, lse, do, dlse, q_segment_ids)}
+    if swapped:
+        saved[True] = tuple(_swap_halves(x, axis) for x, axis in zip(saved[False],
+                                                                       (1, 1, 2, 1, 2, 1)))
+
+    def branch(step):
+        return functools.partial(_backward_blocks, attend_bwd, saved[step.rows_swapped],
+                                 step.rows_swapped != swapped)
     dq = jnp.zeros_like(q, jnp.float32)
     kv_likes = tuple(map(_shape_of, own))
     sum_likes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (k, v))
@@ -325,7 +438,8 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
             # previous step (see _after); the first one, with keys only, to nothing.
             parts = ([] if last else [kv_words]) + ([] if finished is None else [pack(finished)])
             received = send(jnp.concatenate(parts), axis_name, n) if parts else None
-            dq, contribution = _run_step(plan.steps[index], axis_name, branch, kv, dq)
+            step = plan.steps[index]
+            dq, contribution = _run_step(step, axis_name, branch(step), kv, dq)
             if finished is not None:  # the previous devices' share of the block held now
                 incoming = unpack(received[kv_count if not last else 0:], sum_likes)
                 contribution = jax.tree.map(jnp.add, incoming, contribution)
@@ -337,11 +451,13 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
         # while the device computes its own block.
         home = unpack(send(pack(finished), axis_name, n, shift=-(steps - 1)), sum_likes)
     if plan.steps:
-        dq, (dk, dv) = _run_step(plan.steps[0], axis_name, branch, own, dq)
+        dq, (dk, dv) = _run_step(plan.steps[0], axis_name, branch(plan.steps[0]), own, dq)
     else:
         dk, dv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
     if home is not None:
         dk, dv = dk + home[0], dv + home[1]
+    if swapped:
+        dq = _swap_halves(dq, 1)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -351,7 +467,7 @@ def whole_keys_backward(q, k, v, o, lse, do, dlse=None, *, step: plans.Step,
     """(dq in q's dtype, dk, dv float32 over all keys: this device's share, to be summed
     over the devices) with all keys and values on this device."""
     branch = functools.partial(_backward_blocks, attend_bwd,
-                               (q, o, lse, do, dlse, q_segment_ids))
+                               (q, o, lse, do, dlse, q_segment_ids), False)
     dq, (gk, gv) = _run_step(step, axis_name, branch, _with_segments(k, v, kv_segment_ids),
                              jnp.zeros_like(q, jnp.float32))
     return dq.astype(q.dtype), gk, gv
@@ -430,7 +546,7 @@ class SequencePlan:
         def time_in(layout):
             if self.exchange == RING:
                 plan = plans.ring_plan(n, layout, tq_local, tk_local, offset, window_left,
-                                       window_right)
+                                       window_right, by_lengths=steps_by_lengths())
                 return plan, plans.ring_time(plan)
             step = plans.whole_keys_plan(n, layout, tq_local, tk, offset, window_left,
                                          window_right)
@@ -470,15 +586,9 @@ def _choose_exchange(n, tq_local, tk_local, heads_q, heads_kv, head_dim, value_d
     transfers are small and the all-gather wins; with as many KV heads as query heads the
     ring does. An all-gather that would hold more K/V than twice the local queries is not
     taken (memory). TK_JAX_CONTEXT_PARALLEL=ring|all_gather overrides the choice."""
-    forced = os.environ.get(EXCHANGE_ENV, "auto")
-    if forced in (RING, ALL_GATHER):
-        return forced
+    forced = _env_choice(EXCHANGE_ENV, (RING, ALL_GATHER, "auto"), "auto")
     if forced != "auto":
-        # This runs inside XLA's partitioner, where an exception would end the compilation
-        # (or the process): say so and choose as if unset.
-        from tk_jax._partitioning import _warn_once
-        _warn_once(f"env-{forced}", f"tk_jax: {EXCHANGE_ENV} must be 'ring', 'all_gather' or "
-                                    f"'auto', got {forced!r}; ignored")
+        return forced
     steps = n - 1
     q_elems = tq_local * heads_q * head_dim
     kv_elems = tk_local * heads_kv * (head_dim + value_dim)
@@ -495,15 +605,15 @@ def _kernel_calls(fn, static: dict, *, backward: bool):
     if "bottom_right" in base:  # blocks are planned bottom-right aligned on their rectangle
         base["bottom_right"] = True
     if backward:
-        def attend_bwd(q, k, v, o, lse, do, dlse, window_left, window_right, **segments):
+        def attend_bwd(q, k, v, o, lse, do, dlse, window_left, window_right, **masks):
             extra = () if dlse is None else (dlse,)
             return tuple(fn(q, k, v, o, lse, do, *extra, window_left=window_left,
-                            window_right=window_right, **base, **segments))
+                            window_right=window_right, **base, **masks))
         return attend_bwd
 
-    def attend(q, k, v, window_left, window_right, **segments):
+    def attend(q, k, v, window_left, window_right, **masks):
         return tuple(fn(q, k, v, window_left=window_left, window_right=window_right, **base,
-                        **segments))
+                        **masks))
     return attend
 
 

@@ -70,13 +70,37 @@ Blocks = tuple  # tuple[Block, ...]: one device's calls for one set of keys
 
 
 @dataclasses.dataclass(frozen=True)
+class Lengths:
+    """A step as one call on every device: local rows [0, rows) x keys [0, keys), unmasked, of
+    which device r computes rows [0, q_lengths[r]) x keys [0, kv_lengths[r]) (given to the
+    kernels as sequence lengths: rows past q_len come back o = 0, lse = -inf, zero dq; keys
+    past kv_len are seen by no row and get zero dk, dv)."""
+
+    rows: int
+    keys: int
+    q_lengths: tuple  # tuple[int, ...], per device
+    kv_lengths: tuple
+
+    @property
+    def block(self) -> Block:
+        return Block(0, self.rows, 0, self.keys, -1, -1, self.rows * self.keys)
+
+
+@dataclasses.dataclass(frozen=True)
 class Step:
     """One set of keys per device (ring step `distance`: the keys of device r - distance).
-    Device r runs branches[branch_of_device[r]] (an empty tuple: nothing to compute)."""
+    Device r runs branches[branch_of_device[r]] (an empty tuple: nothing to compute), or, where
+    `lengths` is set, every device runs lengths.block with its own lengths instead.
+
+    rows_swapped: the blocks count the device's query rows with the two halves of its local
+    rows exchanged (the load-balanced layout's second chunk first); else in the layout's
+    order."""
 
     distance: int
     branches: tuple  # tuple[Blocks, ...]
     branch_of_device: tuple  # tuple[int, ...]
+    rows_swapped: bool = False
+    lengths: Lengths | None = None
 
     def blocks_of(self, device: int) -> Blocks:
         return self.branches[self.branch_of_device[device]]
@@ -98,6 +122,12 @@ class RingPlan:
     steps: tuple  # tuple[Step, ...]
 
     @property
+    def rows_swapped(self) -> bool:
+        """Whether some step counts the query rows swapped (the executor then keeps its
+        accumulators in that order)."""
+        return any(s.rows_swapped for s in self.steps)
+
+    @property
     def hops(self) -> int:
         """Transfers of a key block along the ring (one per step after the first)."""
         return max(len(self.steps) - 1, 0)
@@ -110,6 +140,13 @@ class RingPlan:
 
 # ----------------------------------------------------------------------------------------------
 # Layouts.
+
+
+def swapped_chunks(chunks: tuple, length: int) -> tuple:
+    """`chunks` of `length` local rows as they sit with the two halves of the rows exchanged
+    (each chunk must lie within one half, as the load-balanced layout's do)."""
+    half = length // 2
+    return tuple(Chunk((c.local_start + half) % length, c.global_start, c.length) for c in chunks)
 
 
 def layout_chunks(layout: str, device: int, num_devices: int, length: int) -> tuple:
@@ -249,26 +286,59 @@ def device_blocks(q_chunks, k_chunks, q_length, offset, window_left, window_righ
 # Plans.
 
 
-def _step(distance, device_lists) -> Step:
+def _step(distance, device_lists, rows_swapped: bool = False) -> Step:
     branches, index = [], []
     for blocks in device_lists:
         if blocks not in branches:
             branches.append(blocks)
         index.append(branches.index(blocks))
-    return Step(distance, tuple(branches), tuple(index))
+    return Step(distance, tuple(branches), tuple(index), rows_swapped)
+
+
+def _prefix_lengths(step: Step) -> Lengths | None:
+    """The step as one call with per-device lengths, if every device's blocks are one unmasked
+    rectangle from local row 0 and key 0."""
+    q_lengths, kv_lengths = [], []
+    for device in range(len(step.branch_of_device)):
+        blocks = step.blocks_of(device)
+        if len(blocks) != 1 or not blocks[0].unmasked or blocks[0].q_start or blocks[0].k_start:
+            return None
+        q_lengths.append(blocks[0].q_stop)
+        kv_lengths.append(blocks[0].k_stop)
+    return Lengths(max(q_lengths), max(kv_lengths), tuple(q_lengths), tuple(kv_lengths))
 
 
 @functools.lru_cache(maxsize=256)
 def ring_plan(num_devices: int, layout: str, q_length: int, k_length: int, offset: int,
-              window_left: int, window_right: int) -> RingPlan:
+              window_left: int, window_right: int, by_lengths: bool = True) -> RingPlan:
     """The ring's steps: queries and keys both in `layout` (q_length / k_length local
-    positions per device), keys passed on one device per step."""
+    positions per device), keys passed on one device per step.
+
+    by_lengths: a step whose devices differ runs as one call with per-device lengths where it
+    fits (in the layout's row order, else with the rows swapped; see the module docstring);
+    False: every such step is a switch."""
     q_chunks = [layout_chunks(layout, r, num_devices, q_length) for r in range(num_devices)]
     k_chunks = [layout_chunks(layout, r, num_devices, k_length) for r in range(num_devices)]
-    steps = [_step(s, [device_blocks(q_chunks[r], k_chunks[(r - s) % num_devices], q_length,
-                                     offset, window_left, window_right)
-                       for r in range(num_devices)])
-             for s in range(num_devices)]
+
+    def step(s, rows_swapped):
+        return _step(s, [device_blocks(
+            swapped_chunks(q_chunks[r], q_length) if rows_swapped else q_chunks[r],
+            k_chunks[(r - s) % num_devices], q_length, offset, window_left, window_right)
+            for r in range(num_devices)], rows_swapped)
+
+    def planned_step(s):
+        plain = step(s, False)
+        if not by_lengths or len(plain.branches) == 1:
+            return plain
+        # Exchanging the halves moves whole chunks only where the chunks are the halves.
+        candidates = [plain] + ([step(s, True)] if layout == LOAD_BALANCED else [])
+        for candidate in candidates:
+            lengths = _prefix_lengths(candidate)
+            if lengths is not None:
+                return dataclasses.replace(candidate, lengths=lengths)
+        return plain
+
+    steps = [planned_step(s) for s in range(num_devices)]
     while steps and steps[-1].empty:
         steps.pop()
     return RingPlan(num_devices, tuple(steps))

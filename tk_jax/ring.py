@@ -18,7 +18,7 @@ from jax import lax
 
 from tk_jax._checks import (check_attention_qkv, check_backend_name, check_bool, check_window,
                             is_int, resolve_softmax_scale)
-from tk_jax._context_parallel import ring_backward, ring_forward
+from tk_jax._context_parallel import ring_backward, ring_forward, steps_by_lengths
 from tk_jax._ring_plan import CONTIGUOUS, LOAD_BALANCED, ring_plan
 from tk_jax.attention import (AttentionMasks, attention_bwd_impl, attention_fwd_impl,
                               check_flash_masks, choose_backend, fold_batch_dims)
@@ -38,8 +38,12 @@ from tk_jax.attention import (AttentionMasks, attention_bwd_impl, attention_fwd_
 #   so with load balancing every device does the same work in every step; without it, device
 #   n-1 works in every step while device 0 idles after the first.
 #
-# Invisible work is skipped (a switch on the device index picks each device's blocks), and a
-# window also ends the ring early: the keys travel only as far as some query still sees them.
+# Invisible work is skipped, and a window also ends the ring early: the keys travel only as far
+# as some query still sees them. Where the devices' work in a step differs, a switch on the
+# device index picks each device's blocks, or, in the load-balanced causal ring, one call with
+# the queries' two chunks swapped takes each device's rectangle as sequence lengths (looked up
+# by the device index): rows [0, 2c) x keys [0, c) for src < r, rows [0, c) x keys [0, 2c) for
+# src > r (c = half a block).
 
 RING_OP = "ring_attention"
 AxisName = Hashable  # a mesh axis name, or a tuple of them
@@ -109,7 +113,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: AxisN
     q4, k4, v4 = (fold_batch_dims(x) for x in (q, k, v))
     resolved = choose_backend(q4, k4, v4, backend, op=RING_OP)
     length = q4.shape[1]
-    plan = ring_plan(num_devices, layout, length, length, 0, window_left, window_right)
+    plan = ring_plan(num_devices, layout, length, length, 0, window_left, window_right,
+                     by_lengths=steps_by_lengths())
     o = _ring(q4, k4, v4, segments, axis_name, scale, plan, resolved)
     return o.reshape(batch_shape + o.shape[1:])
 
@@ -127,15 +132,15 @@ def _ring_size(axis_name: AxisName) -> int:
 def _block_calls(scale, backend):
     """The kernels (or the reference) on one block of local shards, called directly (not
     through the partitioning rule: the blocks are local already)."""
-    def attend(q, k, v, window_left, window_right, **segments):
+    def attend(q, k, v, window_left, window_right, **masks):
         return attention_fwd_impl(q, k, v, scale=scale, window_left=window_left,
                                   window_right=window_right, backend=backend, local=True,
-                                  masks=AttentionMasks(**segments))
+                                  masks=AttentionMasks(**masks))
 
-    def attend_bwd(q, k, v, o, lse, do, dlse, window_left, window_right, **segments):
+    def attend_bwd(q, k, v, o, lse, do, dlse, window_left, window_right, **masks):
         return attention_bwd_impl(q, k, v, o, lse, do, scale=scale, window_left=window_left,
                                   window_right=window_right, backend=backend, dlse=dlse,
-                                  local=True, masks=AttentionMasks(**segments))
+                                  local=True, masks=AttentionMasks(**masks))
     return attend, attend_bwd
 
 
