@@ -44,11 +44,12 @@ struct decode_config {
   static_assert(GROUPS == 1 || (GROUPS == 2 && D <= 128), "two consumer warpgroups only at D <= 128");
   static constexpr int KV = keys_per_tile(D);  // keys per tile
   static constexpr int ROWS = PACKED_ROWS * GROUPS;  // packed rows per block
-  // One block an SM: a consumer thread needs ~200 registers, so a second block's warps would
-  // not fit the register file's four sub-partitions (16K registers each). Stages: 32 KB at
-  // D <= 128, 64 KB at D = 256; as many as the SM's shared memory holds.
+  // One block an SM (ncu: its registers and shared memory leave no room for a second; the
+  // register file's four sub-partitions hold 16K registers each). Stages of 32 KB at D <= 128,
+  // 64 KB at D = 256: three for one consumer warpgroup (six measured up to 7% slower at D = 64),
+  // six for two.
   static constexpr int BLOCKS_PER_SM = 1;
-  static constexpr int STAGES = D == 256 ? 3 : 6;  // K/V tiles in flight per block
+  static constexpr int STAGES = 3 * GROUPS;  // K/V tiles in flight per block
   // Q stays in registers for the whole walk, except at D = 256 where O alone takes 128
   // registers a thread: there it is read from shared memory by each product.
   static constexpr bool Q_IN_SHARED = D == 256;
@@ -60,8 +61,9 @@ struct decode_config {
   static constexpr int THREADS = CONSUMER_THREADS + PRODUCER_THREADS;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, GROUPS);
-  // Registers a thread may use at launch (a multiple of 8, at most 255).
-  static constexpr int MAX_REGISTERS = std::min(255, 65536 / THREADS / 8 * 8);
+  // Registers a thread may use at launch: one consumer warpgroup is capped at 200 (a few bytes
+  // spill; without the cap ptxas takes ~220 and D = 64 ran up to 8% slower).
+  static constexpr int MAX_REGISTERS = GROUPS == 1 && D <= 128 ? 200 : std::min(255, 65536 / THREADS / 8 * 8);
 };
 
 struct no_tile {};

@@ -17,9 +17,16 @@ static int64_t packed_rows(int64_t heads_q, int64_t heads_kv, int64_t seq_q) {
 }
 
 // Consumer warpgroups a block runs: two where a KV head has more than 64 packed rows, so that
-// its keys are read once for 128 of them (one at D = 256, whose Q lives in shared memory).
-static int consumer_groups(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim) {
-  return head_dim <= 128 && packed_rows(heads_q, heads_kv, seq_q) > PACKED_ROWS ? 2 : 1;
+// its keys are read once for 128 of them, in a paged cache or at D = 64; else one (always at
+// D = 256, whose Q lives in shared memory). Measured (H100, MQA with 4 tokens, same runs):
+// blocks of 64 rows that read the same keys ran paged at 0.56-0.67x of contiguous, two
+// warpgroups at 0.88-0.99x; at D = 64 (128-key tiles: twice the softmax work a byte) two
+// warpgroups were also the faster contiguous (2.3-2.6 TB/s against 1.9-2.05 in the >= 256 MiB
+// cells); at D = 128 contiguous, blocks of 64 rows were the faster (by 5-17%: their second
+// read of a key tile comes from L2, and the larger blocks need key splits).
+static int consumer_groups(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, bool paged) {
+  const bool many_rows = packed_rows(heads_q, heads_kv, seq_q) > PACKED_ROWS;
+  return many_rows && (head_dim == 64 || (paged && head_dim == 128)) ? 2 : 1;
 }
 
 static int64_t blocks_per_sm(int64_t head_dim, int groups) {
@@ -32,20 +39,21 @@ static int64_t blocks_per_sm(int64_t head_dim, int groups) {
 }
 
 // Blocks per (batch row, KV head, split): the packed rows in tiles of one block's rows.
-static int64_t query_row_tiles(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim) {
-  const int64_t rows = PACKED_ROWS * consumer_groups(heads_q, heads_kv, seq_q, head_dim);
+static int64_t query_row_tiles(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, bool paged) {
+  const int64_t rows = PACKED_ROWS * consumer_groups(heads_q, heads_kv, seq_q, head_dim, paged);
   return (packed_rows(heads_q, heads_kv, seq_q) + rows - 1) / rows;
 }
 
 int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int64_t capacity,
-               int multiprocessors, int64_t requested) {
+               bool paged, int multiprocessors, int64_t requested) {
   const int64_t kv = keys_per_tile(int(head_dim));
   const int64_t tiles = std::max<int64_t>((capacity + kv - 1) / kv, 1);
   const int64_t most = std::min<int64_t>(MAX_SPLITS, tiles);
   if (requested > 0) return int(std::min(requested, most));
   // Blocks without splits: one per (batch row, KV head, PACKED_ROWS query rows). When they fill
   // the card, splitting only adds work.
-  const int64_t blocks = batch * heads_kv * query_row_tiles(heads_q, heads_kv, seq_q, head_dim);
+  const int groups = consumer_groups(heads_q, heads_kv, seq_q, head_dim, paged);
+  const int64_t blocks = batch * heads_kv * query_row_tiles(heads_q, heads_kv, seq_q, head_dim, paged);
   if (multiprocessors < 1 || blocks < 1 || blocks >= multiprocessors) return 1;
   // Else split the keys, so that the blocks keep every multiprocessor streaming to the end:
   // with n = blocks x splits spread evenly, the busy fraction of the last round is
@@ -54,7 +62,7 @@ int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, 
   // MIN_TILES_PER_SPLIT tiles, and keep the partial results (2 x 4 bytes per query row and
   // column per split, written then read) under the K/V bytes they summarise.
   const int64_t group = heads_q / std::max<int64_t>(heads_kv, 1);
-  const int64_t resident = multiprocessors * blocks_per_sm(head_dim, consumer_groups(heads_q, heads_kv, seq_q, head_dim));
+  const int64_t resident = multiprocessors * blocks_per_sm(head_dim, groups);
   int64_t limit = std::min({most, std::max<int64_t>(1, tiles / MIN_TILES_PER_SPLIT),
                             std::max<int64_t>(1, capacity / (2 * group * seq_q)),
                             std::max<int64_t>(1, resident / blocks)});
@@ -97,7 +105,7 @@ const char* unsupported(const Params& p) {
       return "too many pages (2^31 or more)";
   }
   const int64_t blocks =
-      query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, p.head_dim) * p.num_splits * p.heads_kv * p.batch;
+      query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged) * p.num_splits * p.heads_kv * p.batch;
   if (blocks >= (int64_t(1) << 31)) return "too many blocks for one grid";
   return nullptr;
 }
@@ -129,7 +137,7 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   }
   args.p = p;
   const int blocks =
-      int(query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, D) * p.num_splits * p.heads_kv * p.batch);
+      int(query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, D, p.paged) * p.num_splits * p.heads_kv * p.batch);
   const int smem = int(sizeof(decode_shared<T, D, GROUPS>)) + 1024;
   static_assert(sizeof(decode_shared<T, D, GROUPS>) + 1024 <= 227 * 1024 / config::BLOCKS_PER_SM - 1024,
                 "the blocks of an SM must fit its shared memory");
@@ -156,7 +164,7 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
 
 template <typename T>
 static cudaError_t decode_dim(const Params& p, cudaStream_t stream) {
-  const bool two = consumer_groups(p.heads_q, p.heads_kv, p.seq_q, p.head_dim) == 2;
+  const bool two = consumer_groups(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged) == 2;
   switch (p.head_dim) {
     case 64: return two ? decode_typed<T, 64, 2>(p, stream) : decode_typed<T, 64, 1>(p, stream);
     case 128: return two ? decode_typed<T, 128, 2>(p, stream) : decode_typed<T, 128, 1>(p, stream);

@@ -73,7 +73,7 @@ struct Params {
 // for 0 a choice from the grid's size and the card's multiprocessors (one split while
 // batch x heads_kv x query-row tiles fill the card, else enough to fill it).
 int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim,
-               int64_t capacity, int multiprocessors, int64_t requested);
+               int64_t capacity, bool paged, int multiprocessors, int64_t requested);
 
 // Bytes of the workspace output: the partial results of each split (fp32 o and lse), or 0 for
 // one split. Linear in batch.
