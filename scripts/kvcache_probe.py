@@ -2,9 +2,11 @@
 contiguous and paged, beside the card's copy bandwidth (read + write of a large array).
 
     python3 scripts/kvcache_probe.py [--splits 1,16,64] [--page-size 64] [--tq 1,4] [--d 128]
-                                     [--shapes 8x32k:32/1,1x128k:32/8]
+                                     [--shapes 8x32k:32/1,1x128k:32/8] [--steps 8]
 
-Each shape is timed per decode step (--steps of them in one jitted call), with the kernel's own split count, and with each count given by --splits.
+Each shape is timed per decode step (--steps of them in one jitted call, so that the host's
+dispatch of a call does not show in small calls), with the kernel's own split count and with
+each count given by --splits.
 bf16, every row's cache full (seqlens = S), causal; paged caches get a shuffled page table.
 TB/s = (K and V bytes of the valid keys) / time; a ceiling is the copy rate.
 """

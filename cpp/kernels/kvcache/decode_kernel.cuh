@@ -6,8 +6,9 @@
 // heads_kv), so one pass over a KV head's keys serves all of them. A block owns 64 packed rows of
 // one (batch row, KV head) and one split of its keys (several splits when batch x heads_kv
 // cannot fill the card; the combine pass merges them), or 128 packed rows where a KV head has
-// more than 64 (MQA with several tokens): then two consumer warpgroups share the K/V tiles,
-// which are read once for all 128. It has two roles:
+// more than 64 (MQA with several tokens) in a paged cache or at D = 64 (consumer_groups in
+// kvcache.cu): then two consumer warpgroups share the K/V tiles, read once for all 128. It has
+// two roles:
 //   - a producer warp streams key tiles of K and V into rings of shared-memory stages with TMA:
 //     one box a tile from a contiguous cache (or a paged one with pages of at least a tile),
 //     one box a page and 64-column panel where pages are smaller than a tile, the page ids read
@@ -19,8 +20,7 @@
 //     with c = scale log2(e); the next tile's scores are issued before this tile's P V.
 // Out: O / l and lse = ln 2 (c m + log2 l), straight into o and lse with one split, else as the
 // split's partial result into the workspace (split_workspace.cuh).
-// Two one-warpgroup blocks share an SM (one at D = 256), so one block's start and end overlap
-// the other's streaming; a two-warpgroup block has the SM to itself, with twice the stages.
+// One block an SM (decode_config says why); a two-warpgroup block has twice the stages.
 #pragma once
 
 #include <algorithm>
@@ -46,8 +46,7 @@ struct decode_config {
   static constexpr int ROWS = PACKED_ROWS * GROUPS;  // packed rows per block
   // One block an SM (ncu: its registers and shared memory leave no room for a second; the
   // register file's four sub-partitions hold 16K registers each). Stages of 32 KB at D <= 128,
-  // 64 KB at D = 256: three for one consumer warpgroup (six measured up to 7% slower at D = 64),
-  // six for two.
+  // 64 KB at D = 256: three for one consumer warpgroup, six for two.
   static constexpr int BLOCKS_PER_SM = 1;
   static constexpr int STAGES = 3 * GROUPS;  // K/V tiles in flight per block
   // Q stays in registers for the whole walk, except at D = 256 where O alone takes 128
@@ -61,8 +60,9 @@ struct decode_config {
   static constexpr int THREADS = CONSUMER_THREADS + PRODUCER_THREADS;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, GROUPS);
-  // Registers a thread may use at launch: one consumer warpgroup is capped at 200 (a few bytes
-  // spill; without the cap ptxas takes ~220 and D = 64 ran up to 8% slower).
+  // Registers a thread may use at launch: one consumer warpgroup at D <= 128 is capped at 200
+  // (a few bytes spill; six stages and no cap, where ptxas takes ~220, ran up to 7% slower at
+  // D = 64, same run).
   static constexpr int MAX_REGISTERS = GROUPS == 1 && D <= 128 ? 200 : std::min(255, 65536 / THREADS / 8 * 8);
 };
 
