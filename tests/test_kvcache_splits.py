@@ -1,0 +1,53 @@
+"""The KV-cache kernel's choice of key splits (host C++, cpp/kernels/kvcache/kvcache.cu), called
+through the extension without a GPU: it runs wherever the CUDA sources were built."""
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None,
+                                reason="no CUDA toolkit: the extension was not built here")
+
+SMS = 132  # an H100 SXM
+
+
+def splits(batch, heads_q, heads_kv, seq_q, head_dim, capacity, *, paged=False, sms=SMS,
+           requested=0):
+    from tk_jax import _tk
+
+    return _tk.kvcache_num_splits(batch, heads_q, heads_kv, seq_q, head_dim, capacity, paged, sms,
+                                  requested)
+
+
+def test_a_requested_count_is_capped_by_the_key_tiles_and_the_most_allowed():
+    from tk_jax import _tk
+
+    assert splits(1, 8, 1, 1, 128, 6000, requested=7) == 7
+    assert splits(1, 8, 1, 1, 128, 6000, requested=10**6) == 94       # 64-key tiles at D = 128
+    assert splits(1, 8, 1, 1, 64, 6000, requested=10**6) == 47        # 128-key tiles at D = 64
+    assert splits(1, 8, 1, 1, 128, 10**6, requested=10**6) == _tk.kvcache_max_splits
+
+
+def test_blocks_that_fill_the_card_are_not_split():
+    assert splits(64, 32, 8, 1, 128, 4096) == 1    # 512 blocks
+    assert splits(8, 32, 32, 1, 128, 32768) == 1   # 256 blocks
+
+
+def test_few_rows_are_split_to_fill_the_card_with_enough_tiles_each():
+    for capacity in (32768, 131072):
+        n = splits(1, 32, 8, 1, 128, capacity)   # 8 blocks before splitting
+        assert 8 * n <= SMS and 8 * n >= 0.9 * SMS, n
+        assert capacity // 64 // n >= 4, n
+    assert splits(1, 32, 8, 1, 128, 512) <= 512 // 64 // 4   # a short cache: 4 tiles a split
+
+
+def test_paged_mqa_with_several_tokens_takes_blocks_of_128_rows():
+    # 32 query heads x 4 tokens = 128 packed rows on one KV head: at D = 128 a paged cache runs
+    # them in one block (half the blocks, so more splits fill the card), a contiguous one in two.
+    contiguous = splits(64, 32, 1, 4, 128, 4096)
+    paged = splits(64, 32, 1, 4, 128, 4096, paged=True)
+    assert (contiguous, paged) == (1, 2)
+    # At D = 64 both layouts take blocks of 128 rows; at D = 256 neither does.
+    assert splits(64, 32, 1, 4, 64, 4096) == splits(64, 32, 1, 4, 64, 4096, paged=True) == 2
+    assert splits(64, 32, 1, 4, 256, 4096) == splits(64, 32, 1, 4, 256, 4096, paged=True) == 1
+    # 64 packed rows or fewer: one block of rows either way.
+    assert splits(64, 32, 8, 4, 128, 4096) == splits(64, 32, 8, 4, 128, 4096, paged=True)
