@@ -212,6 +212,16 @@ def _swap_halves(x, axis: int):
     return jnp.concatenate([second, first], axis=axis)
 
 
+def _in_row_orders(plan: plans.RingPlan, items) -> dict:
+    """The query-side arrays `items` ((array or None, its row axis) pairs) in each row order
+    the plan's steps count in: {False: as given, True: halves exchanged, if a step needs it},
+    each copy made once for all steps."""
+    orders = {False: tuple(x for x, _ in items)}
+    if plan.rows_swapped:
+        orders[True] = tuple(_swap_halves(x, axis) for x, axis in items)
+    return orders
+
+
 def _accumulator_rows(start: int, stop: int, length: int, moved: bool) -> list:
     """Rows [start, stop) of a block (of `length` local rows) as pairs (rows of the block's
     result, rows of the accumulators): one pair, the same rows, when the step and the
@@ -314,9 +324,7 @@ def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: 
     # then moves, as it is written (converted to float32 anyway), and the result moves back
     # once, as it is cast.
     swapped = plan.rows_swapped
-    queries = {False: (q, q_segment_ids)}
-    if swapped:
-        queries[True] = (_swap_halves(q, 1), _swap_halves(q_segment_ids, 1))
+    queries = _in_row_orders(plan, [(q, 1), (q_segment_ids, 1)])
     kv = _with_segments(k, v, kv_segment_ids)
     likes = tuple(map(_shape_of, kv))
     payload = pack(kv) if len(plan.steps) > 1 else None
@@ -414,10 +422,8 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
     # The query-side arrays in each row order the steps count in (the swapped copies made
     # once), dq in the swapped one where there is one (see ring_forward).
     swapped = plan.rows_swapped
-    saved = {False: (q, o, lse, do, dlse, q_segment_ids)}
-    if swapped:
-        saved[True] = tuple(_swap_halves(x, axis) for x, axis in zip(saved[False],
-                                                                       (1, 1, 2, 1, 2, 1)))
+    saved = _in_row_orders(plan, [(q, 1), (o, 1), (lse, 2), (do, 1), (dlse, 2),
+                                  (q_segment_ids, 1)])
 
     def branch(step):
         return functools.partial(_backward_blocks, attend_bwd, saved[step.rows_swapped],
