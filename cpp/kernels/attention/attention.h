@@ -35,7 +35,8 @@ struct MaskParams {
   const int32_t* q_lengths = nullptr;       // [batch], or null (then kv_lengths too)
   const int32_t* kv_lengths = nullptr;      // [batch]
   // mask_workspace_bytes(...) bytes, 16-byte aligned, contents need no setting: with segment
-  // ids, the segment ranges of every chunk of rows (segment_ranges.cuh).
+  // ids, the segment ranges of every chunk of rows and the forward's query tiles
+  // (segment_ranges.cuh).
   void* workspace = nullptr;
   bool bottom_right = true;
 
@@ -43,7 +44,8 @@ struct MaskParams {
 };
 
 // Bytes of the mask workspace a call needs: with segment ids, the ranges of every 64-row chunk
-// of the queries and of the keys; without, a 16-byte token per batch row. Linear in batch:
+// of the queries and of the keys, and the forward's query tiles (a few bytes a position);
+// without, a 16-byte token per batch row. Linear in batch:
 // callers that fold extra leading axes into the batch may size it per batch and multiply.
 size_t mask_workspace_bytes(int64_t batch, int64_t seq_q, int64_t seq_k, bool segment_ids);
 

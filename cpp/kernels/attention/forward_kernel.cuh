@@ -51,8 +51,12 @@ struct forward_config {
   static constexpr int STAGE_BYTES = 2 * KV_ROWS * D * 2, Q_BYTES = Q_ROWS * D * 2;
   static constexpr int STAGES = std::min(4, (227 * 1024 - 2048 - Q_BYTES) / STAGE_BYTES);
   static_assert(STAGES >= 2);
-  static constexpr int PRODUCER_REGS = 24;
-  static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, CONSUMERS);
+  // Registers a producer thread keeps (the rest go to the consumers), with and without segment
+  // ids: with them it claims items and works out each key tile's ids, which spills below 56.
+  template <bool SEG>
+  static constexpr int PRODUCER_REGS = SEG ? 56 : 24;
+  template <bool SEG>
+  static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS<SEG>, CONSUMERS);
   // Up to this many keys the persistent grid runs. Same-card A/Bs on an H100 (docs/DESIGN.md):
   // +4-30% up to 2048 keys; at 4096 +4-10% except D=256 unmasked (-3%); at 8k-16k
   // its static walk falls behind the hardware's scheduling of causal blocks (up to -36%).
@@ -70,52 +74,80 @@ __host__ __device__ inline int query_blocks(const ForwardParams& p) {
   return (p.seq_q + Q_ROWS - 1) / Q_ROWS;
 }
 
-// An item: query block q_block of (batch b, head h), counted from the end under a causal or
-// right window so that the heaviest blocks start first, and the key tiles it visits: those of
-// [first_tile, end_tile) that its band (and lengths) can see, less, with segment ids (SEG), the
-// tiles that share no segment with its queries (segment_ranges.cuh). The producer and the
-// consumers walk the same tiles with next_tile; first_tile is always visited when the range is
-// not empty. The producer works items out (their lengths and segment ranges are loads from
-// global memory) and hands them to the consumers beside their Q (forward_shared::item), so
-// that the consumers never wait for those loads.
+// An item: rows [q0, rows_end) of head h, batch row b, and the key tiles it visits. Key tile t
+// is keys [k_origin + t KV, k_origin + (t + 1) KV); the item visits those of [first_tile,
+// end_tile) that its band (and lengths) can see, less, with segment ids (SEG), the tiles that
+// share no segment with its queries (segment_ranges.cuh). Without segment ids an item is a
+// query block of Q_ROWS rows, counted from the end under a causal or right window so that the
+// heaviest blocks start first, and its key tiles are aligned (k_origin = 0). With them, it is a
+// query tile of the prologue (query_tile): rows from a document's start, and key tiles from the
+// first key of the tile's documents. The producer and the consumers walk the same tiles with
+// next_tile; first_tile is always visited when the range is not empty. The producer works items
+// out (their lengths and segment ranges are loads from global memory) and hands them to the
+// consumers beside their Q (forward_shared::item), so that the consumers never wait for those
+// loads. A `done` item ends a persistent block's walk.
 struct forward_item {
-  int q0, h, b, kv_h, first_tile, end_tile;
+  int q0, rows_end, h, b, kv_h, k_origin, first_tile, end_tile;
   band mask_band;           // of batch row b
-  int seg_lo, seg_hi;       // SEG: the id range of the item's queries
-  segment_span first_ids;   // SEG: the ids of key tile first_tile
+  int seg_lo, seg_hi;       // SEG: a range that holds the ids of the item's queries
+  bool done;
 
-  template <int Q_ROWS, int KV, bool SEG>
-  __device__ static forward_item of(int q_block, int h, int b, const ForwardParams& p) {
+  template <int Q_ROWS, int KV>
+  __device__ static forward_item of_block(int q_block, int h, int b, const ForwardParams& p) {
     const band mask_band = band::of(p, b);
     if (p.window_right >= 0) q_block = query_blocks<Q_ROWS>(p) - 1 - q_block;
-    const int q0 = q_block * Q_ROWS, q_last = min(q0 + Q_ROWS, p.seq_q) - 1;
-    key_range keys = mask_band.keys_of(q0, q_last);
-    forward_item w{q0, h, b, h / (p.heads_q / p.heads_kv), 0, 0, mask_band, 0, 0, {}};
-    if constexpr (SEG) {  // within the hull of the keys that share the queries' segments
-      const segment_span ids = segment_ranges::of(p).queries<Q_ROWS>(b, q0);
-      keys = {max(keys.lo, ids.other_lo), min(keys.hi, ids.other_hi)};
-      w.seg_lo = ids.seg_lo;
-      w.seg_hi = ids.seg_hi;
-    }
+    const int q0 = q_block * Q_ROWS, rows_end = min(q0 + Q_ROWS, p.seq_q);
+    const key_range keys = mask_band.keys_of(q0, rows_end - 1);
+    forward_item w{q0, rows_end, h, b, h / (p.heads_q / p.heads_kv), 0, 0, 0, mask_band, 0, 0, false};
     w.first_tile = keys.hi > keys.lo ? keys.lo / KV : 0;
     w.end_tile = keys.hi > keys.lo ? (keys.hi + KV - 1) / KV : 0;
-    if constexpr (SEG) w.first_tile = w.template next_tile<KV, SEG>(p, w.first_tile - 1, w.first_ids);
+    return w;
+  }
+  template <int Q_ROWS, int KV>
+  __device__ static forward_item of_tile(const query_tile& tile, int h, int b, const ForwardParams& p) {
+    const band mask_band = band::of(p, b);
+    key_range keys = mask_band.keys_of(tile.q0, tile.q_end - 1);
+    keys = {max(keys.lo, tile.k_lo), min(keys.hi, tile.k_hi)};
+    const segment_span ids = segment_ranges::of(p).queries<Q_ROWS>(b, tile.q0);
+    forward_item w{tile.q0, tile.q_end, h, b, h / (p.heads_q / p.heads_kv), 0, 0, 0, mask_band,
+                   ids.seg_lo, ids.seg_hi, false};
+    if (keys.hi > keys.lo) {
+      w.k_origin = keys.lo;
+      w.end_tile = (keys.hi - keys.lo + KV - 1) / KV;
+      w.first_tile = w.template next_tile<KV, true>(p, -1);
+    }
+    return w;
+  }
+  __device__ static forward_item finished() {
+    forward_item w{};
+    w.done = true;
     return w;
   }
   __device__ bool empty() const { return first_tile >= end_tile; }
-  // The visited tile after t (end_tile when none is left), and with SEG its ids.
+  template <int KV>
+  __device__ int key0(int t) const { return k_origin + t * KV; }
+  // The visited tile after t (end_tile when none is left).
   template <int KV, bool SEG>
-  __device__ int next_tile(const ForwardParams& p, int t, segment_span& ids) const {
+  __device__ int next_tile(const ForwardParams& p, int t) const {
     t++;
     if constexpr (SEG) {
 #pragma unroll 1
       for (; t < end_tile; t++) {
-        ids = segment_ranges::of(p).keys<KV>(b, t * KV);
+        const segment_span ids = segment_ranges::of(p).keys<KV>(b, key0<KV>(t));
         if (ids.seg_lo <= seg_hi && seg_lo <= ids.seg_hi) break;
       }
     }
     return t;
   }
+};
+
+// What the consumers need of a key tile besides K and V, published by the producer with K (in
+// the slot's own entry of forward_shared::tiles), so that they never load it from global memory.
+struct key_tile_info {
+  int k0;      // its first key
+  int id;      // SEG: the id all its keys hold, where `single`
+  int single;  // SEG: they hold one id (key_tile_id)
+  int last;    // the item's last tile
 };
 
 template <typename T, int D, int C>
@@ -127,6 +159,7 @@ struct forward_shared {
   // scores have landed, so the next item's Q loads under the last P V and the write-out.
   ring<1> q_ring;
   forward_item item;  // the item whose Q is in the Q slot, published with it
+  key_tile_info tiles[config::STAGES];  // of the key tile in each K slot, published with it
   // K and V have rings of their own: K_i is released as soon as its scores have landed, well
   // before V_i is done, so the next K tile can load early.
   ring<config::STAGES> k_ring, v_ring;
@@ -152,33 +185,57 @@ __device__ __forceinline__ int load_item(forward_shared<T, D, C>& s, const Forwa
   };
   if (w.empty()) publish(0);  // rows that see no key: no Q to wait for
   else if (q_use == 0) load_q();
+  const int32_t* const key_ids = args.p.mask.kv_segment_ids + int64_t(w.b) * args.p.seq_k;
+  const int* const key_run_end = SEG ? segment_ranges::of(args.p).kv_run_end + int64_t(w.b) * args.p.seq_k : nullptr;
   int n = 0;
-  segment_span ids;
-  for (int t = w.first_tile; t < w.end_tile; t = w.template next_tile<KV, SEG>(args.p, t, ids), n++) {
-    const int use = kv_use + n, stage = s.k_ring.slot(use), k0 = t * KV;
+  for (int t = w.first_tile; t < w.end_tile; n++) {
+    const int next = w.template next_tile<KV, SEG>(args.p, t);
+    const int use = kv_use + n, stage = s.k_ring.wait_free(use), k0 = w.template key0<KV>(t);
+    key_tile_info info{k0, 0, 0, next >= w.end_tile};
+    if constexpr (SEG) {
+      const key_tile_id ids = key_tile_id::of(key_ids, key_run_end, k0, KV, w.mask_band.k_end);
+      info.id = ids.id;
+      info.single = ids.single;
+    }
+    s.tiles[stage] = info;  // published by the K slot's fill below
     tma::load_async(&s.k[stage], args.k, s.k_ring.fill(use, sizeof(s.k[0])), 0, k0, 0, w.kv_h, w.b);
     if (n == 0 && q_use > 0) load_q();
     tma::load_async(&s.v[stage], args.v, s.v_ring.fill(use, sizeof(s.v[0])), 0, k0, 0, w.kv_h, w.b);
+    t = next;
   }
   return n;
 }
 
 // Consumer warpgroup `consumer`: attention of its 64 rows of item w, whose key tiles are uses
-// kv_use, kv_use + 1, ... of the K and V rings; writes O and lse and returns how many tiles it
-// read. release_q() runs once Q is no longer read.
+// kv_use, kv_use + 1, ... of the K and V rings; writes O and lse of the rows before w.rows_end
+// and returns how many tiles it read. release_q() runs once Q is no longer read. A consumer with
+// no row before rows_end (a short query tile) only hands the tiles back.
 template <bool SEG, typename T, int D, int C, typename ReleaseQ>
 __device__ __forceinline__ int attend_item(forward_shared<T, D, C>& s, const ForwardParams& p, const forward_item& w,
                                            int consumer, int kv_use, ReleaseQ release_q) {
   constexpr int KV = forward_config<D, C>::KV_ROWS;
+  if (w.q0 + 64 * consumer >= w.rows_end) {
+    release_q();
+    for (int i = 0; !w.empty(); i++) {
+      const bool last = s.tiles[s.k_ring.acquire(kv_use + i)].last;
+      s.k_ring.release(kv_use + i);
+      s.v_ring.acquire(kv_use + i);
+      s.v_ring.release(kv_use + i);
+      if (last) return i + 1;
+    }
+    return 0;
+  }
   const int row0 = w.q0 + 64 * consumer + 16 * warpgroup::warp_in_group();  // this warp's first row
   const float c = p.scale * LOG2E;
   const band& mask_band = w.mask_band;
   const auto masked_tile = mask_band.cuts_for_queries(row0, 16, KV);  // which key tiles need band masks
-  // SEG: rows are queries, columns keys.
+  // SEG: rows are queries, columns keys. Rows from rows_end on belong to other items: their ids
+  // count as none, so that a warp holding one document's rows is seen to.
   const int32_t* const query_ids = p.mask.q_segment_ids + int64_t(w.b) * p.seq_q;
   const int32_t* const key_ids = p.mask.kv_segment_ids + int64_t(w.b) * p.seq_k;
+  const int rows_seen = min(mask_band.q_end, w.rows_end);
   warp_segments segments;
-  if constexpr (SEG) segments = warp_segments::of(query_ids, row0, mask_band.q_end);
+  if constexpr (SEG) segments = warp_segments::of(query_ids, row0, rows_seen);
 
   rt_fl<16, D> o;
   row_vec<16> m, l;
@@ -191,15 +248,18 @@ __device__ __forceinline__ int attend_item(forward_shared<T, D, C>& s, const For
   // O is rescaled once that product has landed. Tile i of the walk is use kv_use + i.
   rt_fl<16, KV> scores;
   row_vec<16> rescale;
-  auto scores_of = [&](int i) {  // S_i = Q K_i^T, issued asynchronously
-    warpgroup::mma_ABt(scores, s.q[consumer], s.k[s.k_ring.acquire(kv_use + i)], false);
+  auto scores_of = [&](int i) {  // S_i = Q K_i^T, issued asynchronously; returns tile i's info
+    const int stage = s.k_ring.acquire(kv_use + i);
+    warpgroup::mma_ABt(scores, s.q[consumer], s.k[stage], false);
+    return s.tiles[stage];
   };
-  // S_i (key tile t, of ids `ids`) has landed: release K_i, then scores -> P_i.
-  auto softmax_of = [&](int i, int t, const segment_span& ids) {
+  // S_i has landed: release K_i, then scores -> P_i.
+  auto softmax_of = [&](int i, const key_tile_info& tile) {
     s.k_ring.release(kv_use + i);
-    const int k0 = t * KV;
-    if constexpr (SEG) segments.mask(scores, ids, query_ids, row0, mask_band.q_end, key_ids, k0, mask_band.k_end);
-    if (masked_tile.cuts(k0)) mask_band.mask(scores, row0, k0);
+    if constexpr (SEG)
+      if (!(tile.single && segments.holds_only(tile.id)))
+        segments.mask_all(scores, query_ids, row0, rows_seen, key_ids, tile.k0, mask_band.k_end);
+    if (masked_tile.cuts(tile.k0)) mask_band.mask(scores, row0, tile.k0);
     return online_softmax_step(scores, m, l, rescale, c);  // whether O needs the rescale
   };
   auto add_pv = [&](int i, const rt<T, 16, KV>& probs) {  // O += P_i V_i, issued asynchronously
@@ -208,26 +268,26 @@ __device__ __forceinline__ int attend_item(forward_shared<T, D, C>& s, const For
   auto release_v = [&](int i) {  // P_i V_i has landed
     s.v_ring.release(kv_use + i);
   };
-  int t = w.first_tile, i = 0;
-  segment_span ids = w.first_ids;  // of tile t, then of the next one (loaded a step early)
+  key_tile_info tile{};
   if (!w.empty()) {
-    scores_of(0);
+    tile = scores_of(0);
     warpgroup::wait<0>();
-    softmax_of(0, t, ids);  // O is still zero: no rescale
+    softmax_of(0, tile);  // O is still zero: no rescale
   } else {
     release_q();
   }
-  for (int next = w.template next_tile<KV, SEG>(p, t, ids); next < w.end_tile;
-       t = next, next = w.template next_tile<KV, SEG>(p, next, ids), i++) {
+  int i = 0;
+  for (; !w.empty() && !tile.last; i++) {
     rt<T, 16, KV> probs;  // P_i leaves the scores before S_{i+1} overwrites them
     copy(probs, scores);
-    scores_of(i + 1);
+    const key_tile_info next = scores_of(i + 1);
     add_pv(i, probs);
     warpgroup::wait<1>();  // S_{i+1} has landed; P_i V_i may still run
-    const bool rescaled = softmax_of(i + 1, next, ids);
+    const bool rescaled = softmax_of(i + 1, next);
     warpgroup::wait<0>();
     release_v(i);
     if (rescaled) mul_row(o, rescale);
+    tile = next;
   }
   if (!w.empty()) {  // the last tile: nothing left to overlap
     release_q();  // its scores have landed
@@ -238,7 +298,7 @@ __device__ __forceinline__ int attend_item(forward_shared<T, D, C>& s, const For
     release_v(i);
   }
 
-  store_output<T, D>(o, m, l, c, p, w.b, w.h, row0);
+  store_output<T, D>(o, m, l, c, p, w.b, w.h, row0, w.rows_end);
   return w.empty() ? 0 : i + 1;
 }
 
@@ -257,8 +317,8 @@ __device__ __forceinline__ void init_rings(forward_shared<T, D, C>& s) {
   __syncthreads();
 }
 
-// Plain grid: block (x, y, z) runs query block x of head y, batch z.
-template <typename T, int D, int C, bool SEG>
+// Plain grid (no segment ids): block (x, y, z) runs query block x of head y, batch z.
+template <typename T, int D, int C>
 __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
     forward_kernel(const __grid_constant__ ForwardArgs args) {
   using config = forward_config<D, C>;
@@ -267,17 +327,17 @@ __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
   auto& s = aligned_shared<forward_shared<T, D, C>>(smem_raw);
   init_rings(s);
   if (warpgroup::groupid() == 0) {
-    warpgroup::decrease_registers<config::PRODUCER_REGS>();
+    warpgroup::decrease_registers<config::template PRODUCER_REGS<false>>();
     if (threadIdx.x == 0) {
       const forward_item w =
-          forward_item::of<config::Q_ROWS, config::KV_ROWS, SEG>(blockIdx.x, blockIdx.y, blockIdx.z, p);
-      load_item<SEG>(s, args, w, 0, 0);
+          forward_item::of_block<config::Q_ROWS, config::KV_ROWS>(blockIdx.x, blockIdx.y, blockIdx.z, p);
+      load_item<false>(s, args, w, 0, 0);
     }
   } else {
-    warpgroup::increase_registers<config::CONSUMER_REGS>();
+    warpgroup::increase_registers<config::template CONSUMER_REGS<false>>();
     s.q_ring.acquire(0);
     const forward_item w = s.item;
-    attend_item<SEG>(s, p, w, warpgroup::groupid() - 1, 0, [] {});  // Q is read once: never released
+    attend_item<false>(s, p, w, warpgroup::groupid() - 1, 0, [] {});  // Q is read once: never released
   }
 }
 
@@ -286,26 +346,58 @@ __host__ __device__ inline int forward_items(const ForwardParams& p) {
   return query_blocks<Q_ROWS>(p) * p.heads_q * p.batch;
 }
 
-// This block's items in a persistent grid of G = gridDim.x blocks: round n covers items
+// Item numbers t = 0, 1, ... of a persistent grid of G = gridDim.x blocks: round n covers
 // [n G, (n + 1) G), walked forwards in even rounds and backwards in odd ones, so that under the
-// heaviest-first order of causal items the blocks' sums of item lengths come out close. Item t
-// is query block t % q_blocks, head (t / q_blocks) % heads_q, batch t / (q_blocks heads_q), the
-// plain grid's order. Calls visit(t, n) for the n-th item, t.
-template <int Q_ROWS, typename Visit>
-__device__ __forceinline__ void walk_items(const ForwardParams& p, Visit visit) {
-  const int items = forward_items<Q_ROWS>(p);
+// heaviest-first order of causal items the blocks' sums of item lengths come out close. Calls
+// visit(t) with this block's numbers in increasing order until it returns false.
+template <typename Visit>
+__device__ __forceinline__ void walk_item_numbers(Visit visit) {
   const int G = gridDim.x;
-  for (int n = 0;; n++) {
-    const int t = n * G + (n % 2 == 0 ? blockIdx.x : G - 1 - blockIdx.x);
-    if (t >= items) break;
-    visit(t, n);
+  for (int n = 0;; n++)
+    if (!visit(n * G + (n % 2 == 0 ? blockIdx.x : G - 1 - blockIdx.x))) return;
+}
+
+// The producer's walk: this block's items in turn (visit(w)), then a `done` item. Without
+// segment ids item t is query block t % q_blocks, head (t / q_blocks) % heads_q, batch
+// t / (q_blocks heads_q), the plain grid's order, dealt out by walk_item_numbers. With them,
+// the batch rows' query tiles (segment_ranges.cuh) are numbered row after row, each tile's heads
+// together (they share K and V in L2), and blocks claim the next unclaimed number as they go:
+// the tiles of a packed row differ too much in length for a fixed deal (modelled on the bench's
+// documents of mean 512 tokens: 17% over the ideal spread, 1.6% claimed in turn).
+template <int Q_ROWS, int KV, bool SEG, typename Visit>
+__device__ __forceinline__ void walk_items(const ForwardParams& p, Visit visit) {
+  if constexpr (SEG) {
+    const segment_ranges ranges = segment_ranges::of(p);
+    int* const claim = ranges.tile_counts + p.batch;
+    int b = 0, row_first = 0, row_items = ranges.tile_counts[0] * p.heads_q;
+    for (int t = atomicAdd(claim, 1);;) {
+      const int next = atomicAdd(claim, 1);  // claimed early: ready when item t is out
+      for (; t >= row_first + row_items; row_items = ranges.tile_counts[b] * p.heads_q) {
+        row_first += row_items;
+        if (++b == p.batch) {
+          visit(forward_item::finished());
+          return;
+        }
+      }
+      const int local = t - row_first;
+      visit(forward_item::of_tile<Q_ROWS, KV>(ranges.tile(b, local / p.heads_q), local % p.heads_q, b, p));
+      t = next;
+    }
+  } else {
+    const int items = forward_items<Q_ROWS>(p), q_blocks = query_blocks<Q_ROWS>(p);
+    walk_item_numbers([&](int t) {
+      if (t >= items) return false;
+      visit(forward_item::of_block<Q_ROWS, KV>(t % q_blocks, t / q_blocks % p.heads_q, t / q_blocks / p.heads_q, p));
+      return true;
+    });
+    visit(forward_item::finished());
   }
 }
 
-// Persistent grid: each block walks its items; the producer works out the n-th item and loads
-// its Q as use n of the Q ring, which the consumers release once they no longer read it. An
-// item's key tiles are uses kv_use, kv_use + 1, ... of the K and V rings: the rings run on from
-// item to item.
+// Persistent grid: the producer walks the block's items and publishes the n-th with its Q as use
+// n of the Q ring, which the consumers release once they no longer read it; the consumers take
+// items until a `done` one. An item's key tiles are uses kv_use, kv_use + 1, ... of the K and V
+// rings: the rings run on from item to item.
 template <typename T, int D, int C, bool SEG>
 __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
     persistent_forward_kernel(const __grid_constant__ ForwardArgs args) {
@@ -318,23 +410,20 @@ __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
   init_rings(s);
   int kv_use = 0;
   if (warpgroup::groupid() == 0) {
-    warpgroup::decrease_registers<config::PRODUCER_REGS>();
+    warpgroup::decrease_registers<config::template PRODUCER_REGS<SEG>>();
     if (threadIdx.x == 0) {
-      const int q_blocks = query_blocks<Q_ROWS>(p);
-      walk_items<Q_ROWS>(p, [&](int t, int n) {
-        const forward_item w =
-            forward_item::of<Q_ROWS, KV, SEG>(t % q_blocks, t / q_blocks % p.heads_q, t / q_blocks / p.heads_q, p);
-        kv_use += load_item<SEG>(s, args, w, n, kv_use);
-      });
+      int n = 0;
+      walk_items<Q_ROWS, KV, SEG>(p, [&](const forward_item& w) { kv_use += load_item<SEG>(s, args, w, n++, kv_use); });
     }
   } else {
-    warpgroup::increase_registers<config::CONSUMER_REGS>();
+    warpgroup::increase_registers<config::template CONSUMER_REGS<SEG>>();
     const int consumer = warpgroup::groupid() - 1;
-    walk_items<Q_ROWS>(p, [&](int, int n) {
+    for (int n = 0;; n++) {
       s.q_ring.acquire(n);
       const forward_item w = s.item;
+      if (w.done) break;
       kv_use += attend_item<SEG>(s, p, w, consumer, kv_use, [&] { s.q_ring.release_each_lane(n); });
-    });
+    }
   }
 }
 
@@ -361,29 +450,37 @@ cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
   const int smem = int(sizeof(forward_shared<T, D, C>)) + 1024;
   int sms = 0;
   if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
-  const int items = forward_items<config::Q_ROWS>(p);
-  // With segment ids the items are a document's few tiles, short next to a block's start-up
-  // and write-out: the persistent grid at any length.
-  if (p.seq_k <= config::PERSISTENT_MAX_KEYS || SEG) {
-    const dim3 grid(std::min(items, sms));
+  // With segment ids the items are the prologue's query tiles (at most max_query_tiles a row),
+  // a document's few key tiles each, short next to a block's start-up and write-out: the
+  // persistent grid at any length.
+  if constexpr (SEG) {
+    static_assert(config::Q_ROWS == QUERY_TILE_ROWS, "a block takes one query tile");
+    const int64_t bound = int64_t(p.batch) * max_query_tiles(p.seq_q) * p.heads_q;
+    const dim3 grid(int(std::min<int64_t>(bound, sms)));
     return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, smem, stream, args);
+  } else {
+    const int items = forward_items<config::Q_ROWS>(p);
+    if (p.seq_k <= config::PERSISTENT_MAX_KEYS) {
+      const dim3 grid(std::min(items, sms));
+      return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, smem, stream, args);
+    }
+    // Under a band, where a (batch, head) pair has at most half as many query blocks as the card
+    // has SMs, one block a query block ends unevenly: the next pairs' heaviest blocks start while
+    // the last pairs' lightest run (5.6% at D=128 causal 8k in scripts/balance_model.py, 5.7% in
+    // a per-block trace), and each block pays ~3 tiles of start-up and write-out. The
+    // persistent kernel on half as many blocks as items gives block b items b and
+    // items - 1 - b (walk_items): a heavy query block and its mirror, so every block has the same
+    // work, the second item's loads start while the first is computed, and the hardware still
+    // hands blocks to SMs as they free up. Longer pairs: the plain grid (pairing them costs more
+    // in the last wave than it saves, in the model). Causal forward 8k, mirrored same-card
+    // rounds: D=256 +6.4%, D=128 +0.5%, D=64 -1.1% (within the rounds' spread).
+    if (p.window_right >= 0 && 2 * query_blocks<config::Q_ROWS>(p) <= sms) {
+      const dim3 grid((items + 1) / 2);
+      return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, smem, stream, args);
+    }
+    const dim3 grid(query_blocks<config::Q_ROWS>(p), p.heads_q, p.batch);
+    return launch_with_shared<forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
   }
-  // Under a band, where a (batch, head) pair has at most half as many query blocks as the card
-  // has SMs, one block a query block ends unevenly: the next pairs' heaviest blocks start while
-  // the last pairs' lightest run (5.6% at D=128 causal 8k in scripts/balance_model.py, 5.7% in
-  // a per-block trace), and each block pays ~3 tiles of start-up and write-out. The
-  // persistent kernel on half as many blocks as items gives block b items b and
-  // items - 1 - b (walk_items): a heavy query block and its mirror, so every block has the same
-  // work, the second item's loads start while the first is computed, and the hardware still
-  // hands blocks to SMs as they free up. Longer pairs: the plain grid (pairing them costs more
-  // in the last wave than it saves, in the model). Causal forward 8k, mirrored same-card
-  // rounds: D=256 +6.4%, D=128 +0.5%, D=64 -1.1% (within the rounds' spread).
-  if (p.window_right >= 0 && 2 * query_blocks<config::Q_ROWS>(p) <= sms) {
-    const dim3 grid((items + 1) / 2);
-    return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, smem, stream, args);
-  }
-  const dim3 grid(query_blocks<config::Q_ROWS>(p), p.heads_q, p.batch);
-  return launch_with_shared<forward_kernel<T, D, C, SEG>>(grid, config::THREADS, smem, stream, args);
 }
 
 template <typename T, int D, bool SEG>

@@ -18,6 +18,15 @@
 // training) every tile inside it meets the tile's ids, so a walk costs the tiles of the tile's
 // own documents; with unsorted ids the walk skips the empty tiles inside the hull, one check a
 // tile.
+//
+// Documents rarely start on a multiple of 64, and a tile that holds the end of one document and
+// the start of the next walks the keys of both. So for the forward the prologue also cuts each
+// row's queries into tiles that start where documents start (query_tile): a new tile at every
+// run of one id at least ANCHOR_RUN rows long, then every QUERY_TILE_ROWS rows, and short
+// runs packed together. It records each tile's exact key hull (the first and last key whose id
+// lies in the tile's id range), so that its key tiles start on the document's first key, and
+// every key's run end (where its run of one id stops), which makes a key tile's "one id" test
+// exact wherever it starts.
 #pragma once
 
 #include <climits>
@@ -33,8 +42,20 @@ using namespace kittens;
 // Rows per chunk of the summaries: the smallest tile side of any kernel (the backward's query
 // tile), so that every tile is a whole number of chunks.
 constexpr int SEGMENT_CHUNK = 64;
+// Query tiles of the forward with segment ids: at most this many rows (its blocks' rows), and a
+// new one wherever a run of one id at least ANCHOR_RUN long starts (one consumer's rows: a
+// shorter document shares a tile with its neighbours).
+constexpr int QUERY_TILE_ROWS = 128;
+constexpr int ANCHOR_RUN = 64;
 
 __host__ __device__ inline int segment_chunks(int seq) { return (seq + SEGMENT_CHUNK - 1) / SEGMENT_CHUNK; }
+// Tiles a row of seq queries may be cut into: a tile ends QUERY_TILE_ROWS rows after its start or
+// at an anchor, and anchors (the row's start, the query length, runs of >= ANCHOR_RUN) are at
+// most seq / ANCHOR_RUN + 2.
+__host__ __device__ inline int max_anchors(int seq) { return seq / ANCHOR_RUN + 2; }
+__host__ __device__ inline int max_query_tiles(int seq) {
+  return (seq + QUERY_TILE_ROWS - 1) / QUERY_TILE_ROWS + max_anchors(seq);
+}
 
 // A length clamped to [0, seq], or seq without lengths.
 __device__ __forceinline__ int clamped_length(const int32_t* lengths, int b, int seq) {
@@ -59,24 +80,68 @@ struct segment_span {
   __device__ bool one_segment_with(int lo, int hi) const { return seg_lo == seg_hi && lo == hi && lo == seg_lo; }
 };
 
-// The workspace's summaries: [batch, chunks] int4 for the queries, then for the keys.
+// A tile of the forward's queries: rows [q0, q_end) of a batch row, and the hull [k_lo, k_hi) of
+// the keys whose ids lie in the id range of its rows (empty, k_lo >= k_hi, for rows past the
+// query length). One int4 of the workspace.
+struct query_tile {
+  int q0, q_end, k_lo, k_hi;
+};
+
+// The mask workspace with segment ids, per batch row:
+//   int4  query chunk summaries [segment_chunks(seq_q)], key chunk summaries [segment_chunks(seq_k)],
+//         query tiles [max_query_tiles(seq_q)]
+//   int   key run ends [seq_k], anchor bits [2 segment_chunks(seq_q)], anchors [max_anchors(seq_q)],
+//         tile count and claim counter [2] (the counter is one int for the whole call, at
+//         tile_counts[batch])
+// each array for all batch rows before the next (int4 arrays first, for their alignment).
 struct segment_ranges {
   const int4* q;
   const int4* kv;
   int q_chunks, kv_chunks;
+  int4* tiles;
+  int* kv_run_end;         // [batch, seq_k]: the first position past j's run of one id (cut at the length)
+  uint32_t* anchor_bits;   // [batch, q_chunks, 2]: which rows of each query chunk start a tile run
+  int* anchors;            // [batch, max_anchors(seq_q)]: those rows in order
+  int* tile_counts;        // [batch], then the forward's next unclaimed item
+  int seq_q, seq_k;
 
+  __host__ __device__ static segment_ranges at(void* workspace, int64_t batch, int seq_q, int seq_k) {
+    int4* base = static_cast<int4*>(workspace);
+    const int qc = segment_chunks(seq_q), kc = segment_chunks(seq_k);
+    segment_ranges r{};
+    r.q = base;
+    r.kv = base + batch * qc;
+    r.q_chunks = qc;
+    r.kv_chunks = kc;
+    r.tiles = base + batch * (qc + kc);
+    r.kv_run_end = reinterpret_cast<int*>(r.tiles + batch * max_query_tiles(seq_q));
+    r.anchor_bits = reinterpret_cast<uint32_t*>(r.kv_run_end + batch * seq_k);
+    r.anchors = reinterpret_cast<int*>(r.anchor_bits + batch * 2 * qc);
+    r.tile_counts = r.anchors + batch * max_anchors(seq_q);
+    r.seq_q = seq_q;
+    r.seq_k = seq_k;
+    return r;
+  }
+  // Bytes per batch row, a multiple of 16 (so the workspace stays linear in batch).
+  __host__ __device__ static int64_t row_bytes(int seq_q, int seq_k) {
+    const int64_t int4s = segment_chunks(seq_q) + int64_t(segment_chunks(seq_k)) + max_query_tiles(seq_q);
+    const int64_t ints = int64_t(seq_k) + 2 * segment_chunks(seq_q) + max_anchors(seq_q) + 2;
+    return int4s * 16 + (ints + 3) / 4 * 16;
+  }
   template <typename Params>
   __host__ __device__ static segment_ranges of(const Params& p) {
-    const int4* base = static_cast<const int4*>(p.mask.workspace);
-    const int qc = segment_chunks(p.seq_q), kc = segment_chunks(p.seq_k);
-    return {base, base + int64_t(p.batch) * qc, qc, kc};
+    return at(p.mask.workspace, p.batch, p.seq_q, p.seq_k);
   }
-  // The ROWS rows from `first` (a multiple of SEGMENT_CHUNK; rows past the end count as
-  // empty) of the queries, or of the keys, of batch row b.
+  // The ROWS rows from `first` (rows past the end count as empty) of the queries, or of the
+  // keys, of batch row b: the summaries of the chunks they overlap.
   template <int ROWS>
   __device__ segment_span queries(int b, int first) const { return span<ROWS>(q, q_chunks, b, first); }
   template <int ROWS>
   __device__ segment_span keys(int b, int first) const { return span<ROWS>(kv, kv_chunks, b, first); }
+  __device__ query_tile tile(int b, int i) const {
+    const int4 t = __ldg(tiles + int64_t(b) * max_query_tiles(seq_q) + i);
+    return {t.x, t.y, t.z, t.w};
+  }
 
  private:
   template <int ROWS>
@@ -84,10 +149,13 @@ struct segment_ranges {
     static_assert(ROWS % SEGMENT_CHUNK == 0, "tiles are whole chunks");
     const int4* row = chunks + int64_t(b) * n;
     segment_span s = segment_span::none();
+    const int c0 = first / SEGMENT_CHUNK;
+    // A tile from a multiple of the chunk covers ROWS / SEGMENT_CHUNK chunks; from elsewhere,
+    // one more.
 #pragma unroll
-    for (int i = 0; i < ROWS / SEGMENT_CHUNK; i++) {
-      const int c = first / SEGMENT_CHUNK + i;
-      if (c < n) s.add(__ldg(row + c));
+    for (int i = 0; i <= ROWS / SEGMENT_CHUNK; i++) {
+      const int c = c0 + i;
+      if (c < n && (i < ROWS / SEGMENT_CHUNK || first % SEGMENT_CHUNK != 0)) s.add(__ldg(row + c));
     }
     return s;
   }
@@ -146,15 +214,33 @@ struct warp_segments {
     const int2 range = warp_id_range(lo, hi);
     return {range.x, range.y};
   }
+  // Every row of the warp holds `id`.
+  __device__ bool holds_only(int id) const { return lo == hi && lo == id; }
   // Masks the pairs of the tile (of column ids `tile`) whose ids differ, unless all of them hold
   // one id. Columns from col_end on are not read (the band masks them).
   template <int C>
   __device__ void mask(rt_fl<16, C>& scores, const segment_span& tile, const int32_t* row_ids, int row0, int row_end,
                        const int32_t* col_ids, int col0, int col_end) const {
     if (tile.one_segment_with(lo, hi)) return;
+    mask_all(scores, row_ids, row0, row_end, col_ids, col0, col_end);
+  }
+  template <int C>
+  __device__ void mask_all(rt_fl<16, C>& scores, const int32_t* row_ids, int row0, int row_end,
+                           const int32_t* col_ids, int col0, int col_end) const {
     int ids[2];
     row_ids_of(ids, row_ids, row0, row_end);
     mask_segments(scores, ids, col_ids + col0, col_end - col0);
+  }
+};
+
+// Whether keys [k0, min(k0 + n, k_end)) of one batch row all hold one id, and which: exact
+// wherever the tile starts, from the run end of its first key (segment_ranges::kv_run_end).
+struct key_tile_id {
+  int id;
+  bool single;
+  __device__ static key_tile_id of(const int32_t* ids, const int* run_end, int k0, int n, int k_end) {
+    if (k0 >= k_end) return {0, false};
+    return {__ldg(ids + k0), __ldg(run_end + k0) >= min(k0 + n, k_end)};
   }
 };
 
@@ -162,7 +248,9 @@ struct warp_segments {
 const char* mask_unsupported(const MaskParams& mask);
 
 // The prologue: the chunk summaries of the queries and keys of every batch row, into the mask
-// workspace (two small launches on `stream`; a no-op without segment ids).
-cudaError_t launch_segment_ranges(const MaskParams& mask, int batch, int seq_q, int seq_k, cudaStream_t stream);
+// workspace (two small launches on `stream`; a no-op without segment ids), and with query_tiles
+// (for the forward) a third: the query tiles, run ends and tile counts.
+cudaError_t launch_segment_ranges(const MaskParams& mask, int batch, int seq_q, int seq_k, cudaStream_t stream,
+                                  bool query_tiles = false);
 
 }  // namespace tk::attention

@@ -124,23 +124,25 @@ __device__ __forceinline__ bool online_softmax_step(rt_fl<16, KV>& scores, row_v
 }
 
 // O /= l, written to p.o, and lse = ln 2 (c m + log2 l) to p.lse, for the warp's 16 rows from
-// row0 (rows past seq_q are skipped). `l` holds each lane's partial row sums
-// (online_softmax_step); they are summed across the row here. A row that saw no key (l = 0)
+// row0 (rows from row_end on, which belong to other items or lie past seq_q, are skipped). `l`
+// holds each lane's partial row sums (online_softmax_step); they are summed across the row here. A row that saw no key (l = 0)
 // gets O = 0 and lse = -inf, whatever its O holds (a masked key's V times P = 0 may be NaN); a
 // NaN the row saw (l or O NaN) reaches both O and lse.
 template <typename T, int D>
 __device__ __forceinline__ void store_output(rt_fl<16, D>& o, const row_vec<16>& m, row_vec<16> l, float c,
-                                             const ForwardParams& p, int b, int h, int row0) {
+                                             const ForwardParams& p, int b, int h, int row0, int row_end) {
   reduce_across_lanes(l, sum_op{});
   row_vec<16> inv_l;  // 0 exactly for the rows that saw nothing
   map(inv_l, l, l, [](float x, float) { return x != 0.f ? 1.f / x : 0.f; });
   map_rows(o, inv_l, [](float x, float r) { return r != 0.f ? x * r : 0.f; });
-  store(gl<T>::contiguous((T*)p.o, p.batch, p.seq_q, p.heads_q, D), o, {b, h, row0});
+  gl<T> out = gl<T>::contiguous((T*)p.o, p.batch, p.seq_q, p.heads_q, D);
+  out.seq = min(row_end, p.seq_q);  // the rows store() may write
+  store(out, o, {b, h, row0});
   if ((laneid() & 3) == 0) {
 #pragma unroll
     for (int half_idx = 0; half_idx < 2; half_idx++) {
       const int row = row0 + row_vec_row(0, half_idx);
-      if (row < p.seq_q) {
+      if (row < out.seq) {
         const float lv = l.data[0][half_idx];
         p.lse[(int64_t(b) * p.heads_q + h) * p.seq_q + row] =
             lv != 0.f ? (c * m.data[0][half_idx] + __log2f(lv)) * LN2 : NEG_INF;
