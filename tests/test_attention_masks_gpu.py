@@ -84,7 +84,10 @@ def segments(rng, t, layout):
     """[t] int32 segment ids of one row. sorted: documents of random lengths, ids increasing;
     long_short: one long document and many short ones; tiny: one-token documents between longer
     ones; unsorted: runs of random ids from a small set, so that one id recurs far apart;
-    single: one id throughout."""
+    single: one id throughout; edges: documents of lengths around the kernels' tile and chunk
+    sides (64, 128) and a few long ones, so that documents start mid-chunk, tiles are cut short
+    by the next document's start, short documents share a tile, and a long document precedes
+    the next one's start within a chunk."""
     if layout == "single":
         return np.full(t, 7, np.int32)
     if layout == "unsorted":
@@ -102,6 +105,8 @@ def segments(rng, t, layout):
             lengths.append(int(rng.integers(1, 40)) if lengths else int(rng.integers(t // 3, t + 1)))
         elif layout == "tiny":
             lengths.append(1 if rng.random() < 0.6 else int(rng.integers(2, 200)))
+        elif layout == "edges":
+            lengths.append(int(rng.choice([1, 2, 31, 63, 64, 65, 127, 128, 129, 191, 300, 700])))
         else:
             raise ValueError(layout)
     if layout == "long_short":
@@ -195,6 +200,10 @@ def check(rng, q, k, v, do, *, wl, wr, masks, bottom_right=True, backward=True, 
         (256, 1000, 2, 2, True, "unsorted", jnp.float16),
         (64, 1, 2, 2, True, "single", jnp.bfloat16),
         (128, 1000, 4, 2, True, "single", jnp.bfloat16),
+        (64, 1300, 4, 4, False, "edges", jnp.float16),
+        (128, 1500, 8, 2, True, "edges", jnp.bfloat16),
+        (128, 1111, 4, 1, False, "edges", jnp.float16),
+        (256, 900, 4, 1, True, "edges", jnp.bfloat16),
     ],
 )
 def test_packed_segments(hopper, rng, d, t, hq, hkv, causal, layout, dtype):
