@@ -1,7 +1,8 @@
 // Flash attention forward for Hopper: TMA loads, wgmma, warp specialisation.
 //
 // The work comes in items: a block of 64 C query rows of one (batch, head), C = 2 or 3, and
-// the key tiles its band can see. A block has C + 1 warpgroups. Warpgroup 0 is the producer:
+// the key tiles its band can see; with segment ids, a tile of up to 128 query rows that starts
+// where a document starts, and key tiles from its documents' first key. A block has C + 1 warpgroups. Warpgroup 0 is the producer:
 // one thread loads an item's Q and streams its K and V tiles (128 keys; 64 at D = 256)
 // through rings of shared-memory stages with TMA, each stage guarded by a "full" barrier (the
 // copy engine completes it) and an "empty" barrier (the consumers release it). Warpgroups
@@ -23,6 +24,7 @@
 // persistent grid of one block per SM walks the items, and the next item's Q and first tiles
 // load while the current one finishes. Under a band with few query blocks a (batch, head)
 // pair, the persistent kernel runs two items a block instead: a query block and its mirror.
+// With segment ids the persistent grid always runs, its blocks claiming items as they go.
 #pragma once
 
 #include <algorithm>
@@ -81,11 +83,11 @@ __host__ __device__ inline int query_blocks(const ForwardParams& p) {
 // query block of Q_ROWS rows, counted from the end under a causal or right window so that the
 // heaviest blocks start first, and its key tiles are aligned (k_origin = 0). With them, it is a
 // query tile of the prologue (query_tile): rows from a document's start, and key tiles from the
-// first key of the tile's documents. The producer and the consumers walk the same tiles with
-// next_tile; first_tile is always visited when the range is not empty. The producer works items
-// out (their lengths and segment ranges are loads from global memory) and hands them to the
-// consumers beside their Q (forward_shared::item), so that the consumers never wait for those
-// loads. A `done` item ends a persistent block's walk.
+// first key of the tile's documents. The producer walks the tiles with next_tile (first_tile is
+// always visited when the range is not empty) and publishes each beside its K
+// (key_tile_info); it works items out (their lengths and segment ranges are loads from global
+// memory) and hands them to the consumers beside their Q (forward_shared::item), so that the
+// consumers never wait for those loads. A `done` item ends a persistent block's walk.
 struct forward_item {
   int q0, rows_end, h, b, kv_h, k_origin, first_tile, end_tile;
   band mask_band;           // of batch row b
@@ -230,7 +232,7 @@ __device__ __forceinline__ int attend_item(forward_shared<T, D, C>& s, const For
   const band& mask_band = w.mask_band;
   const auto masked_tile = mask_band.cuts_for_queries(row0, 16, KV);  // which key tiles need band masks
   // SEG: rows are queries, columns keys. Rows from rows_end on belong to other items: their ids
-  // count as none, so that a warp holding one document's rows is seen to.
+  // count as none, so that a warp whose own rows hold one document needs no segment mask.
   const int32_t* const query_ids = p.mask.q_segment_ids + int64_t(w.b) * p.seq_q;
   const int32_t* const key_ids = p.mask.kv_segment_ids + int64_t(w.b) * p.seq_k;
   const int rows_seen = min(mask_band.q_end, w.rows_end);
@@ -363,7 +365,8 @@ __device__ __forceinline__ void walk_item_numbers(Visit visit) {
 // the batch rows' query tiles (segment_ranges.cuh) are numbered row after row, each tile's heads
 // together (they share K and V in L2), and blocks claim the next unclaimed number as they go:
 // the tiles of a packed row differ too much in length for a fixed deal (modelled on the bench's
-// documents of mean 512 tokens: 17% over the ideal spread, 1.6% claimed in turn).
+// documents of mean 512 tokens, scripts/experiments/packed_balance_model.py: 17% over the ideal
+// spread dealt, 1.6% claimed in turn).
 template <int Q_ROWS, int KV, bool SEG, typename Visit>
 __device__ __forceinline__ void walk_items(const ForwardParams& p, Visit visit) {
   if constexpr (SEG) {
@@ -469,7 +472,7 @@ cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
     // the last pairs' lightest run (5.6% at D=128 causal 8k in scripts/balance_model.py, 5.7% in
     // a per-block trace), and each block pays ~3 tiles of start-up and write-out. The
     // persistent kernel on half as many blocks as items gives block b items b and
-    // items - 1 - b (walk_items): a heavy query block and its mirror, so every block has the same
+    // items - 1 - b (walk_item_numbers): a heavy query block and its mirror, so every block has the same
     // work, the second item's loads start while the first is computed, and the hardware still
     // hands blocks to SMs as they free up. Longer pairs: the plain grid (pairing them costs more
     // in the last wave than it saves, in the model). Causal forward 8k, mirrored same-card

@@ -21,9 +21,9 @@
 //
 // Documents rarely start on a multiple of 64, and a tile that holds the end of one document and
 // the start of the next walks the keys of both. So for the forward the prologue also cuts each
-// row's queries into tiles that start where documents start (query_tile): a new tile at every
-// run of one id at least ANCHOR_RUN rows long, then every QUERY_TILE_ROWS rows, and short
-// runs packed together. It records each tile's exact key hull (the first and last key whose id
+// row's queries into tiles that start where documents start (query_tile): a new tile where
+// each run of one id at least ANCHOR_RUN rows long starts, then every QUERY_TILE_ROWS rows,
+// shorter runs sharing tiles. It records each tile's exact key hull (the first and last key whose id
 // lies in the tile's id range), so that its key tiles start on the document's first key, and
 // every key's run end (where its run of one id stops), which makes a key tile's "one id" test
 // exact wherever it starts.
@@ -40,7 +40,8 @@ namespace tk::attention {
 using namespace kittens;
 
 // Rows per chunk of the summaries: the smallest tile side of any kernel (the backward's query
-// tile), so that every tile is a whole number of chunks.
+// tile), so that the backward's tiles are whole chunks (the forward's query and key tiles with
+// segment ids start anywhere, and overlap one chunk more).
 constexpr int SEGMENT_CHUNK = 64;
 // Query tiles of the forward with segment ids: at most this many rows (its blocks' rows), and a
 // new one wherever a run of one id at least ANCHOR_RUN long starts (one consumer's rows: a
@@ -100,7 +101,7 @@ struct segment_ranges {
   int q_chunks, kv_chunks;
   int4* tiles;
   int* kv_run_end;         // [batch, seq_k]: the first position past j's run of one id (cut at the length)
-  uint32_t* anchor_bits;   // [batch, q_chunks, 2]: which rows of each query chunk start a tile run
+  uint32_t* anchor_bits;   // [batch, q_chunks, 2]: which rows of each query chunk are anchors
   int* anchors;            // [batch, max_anchors(seq_q)]: those rows in order
   int* tile_counts;        // [batch], then the forward's next unclaimed item
   int seq_q, seq_k;
@@ -224,6 +225,7 @@ struct warp_segments {
     if (tile.one_segment_with(lo, hi)) return;
     mask_all(scores, row_ids, row0, row_end, col_ids, col0, col_end);
   }
+  // Masks the pairs of the tile whose ids differ.
   template <int C>
   __device__ void mask_all(rt_fl<16, C>& scores, const int32_t* row_ids, int row0, int row_end,
                            const int32_t* col_ids, int col0, int col_end) const {
