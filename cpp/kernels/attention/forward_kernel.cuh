@@ -187,15 +187,15 @@ __device__ __forceinline__ int load_item(forward_shared<T, D, C>& s, const Forwa
   };
   if (w.empty()) publish(0);  // rows that see no key: no Q to wait for
   else if (q_use == 0) load_q();
-  const int32_t* const key_ids = args.p.mask.kv_segment_ids + int64_t(w.b) * args.p.seq_k;
-  const int* const key_run_end = SEG ? segment_ranges::of(args.p).kv_run_end + int64_t(w.b) * args.p.seq_k : nullptr;
   int n = 0;
   for (int t = w.first_tile; t < w.end_tile; n++) {
     const int next = w.template next_tile<KV, SEG>(args.p, t);
     const int use = kv_use + n, stage = s.k_ring.wait_free(use), k0 = w.template key0<KV>(t);
     key_tile_info info{k0, 0, 0, next >= w.end_tile};
     if constexpr (SEG) {
-      const key_tile_id ids = key_tile_id::of(key_ids, key_run_end, k0, KV, w.mask_band.k_end);
+      const int64_t row = int64_t(w.b) * args.p.seq_k;
+      const key_tile_id ids = key_tile_id::of(args.p.mask.kv_segment_ids + row,
+                                              segment_ranges::of(args.p).kv_run_end + row, k0, KV, w.mask_band.k_end);
       info.id = ids.id;
       info.single = ids.single;
     }

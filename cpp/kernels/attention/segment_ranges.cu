@@ -36,28 +36,28 @@ struct chunk_side {
 
 struct range_args {
   MaskParams mask;
-  int4 *q_chunks, *kv_chunks;
-  int seq_q, seq_k, q_count, kv_count;
-  segment_ranges layout;  // the whole workspace: where the key run ends and the query anchors go
-  bool query_tiles;
+  segment_ranges layout;  // the whole workspace
+  bool query_tiles;       // also the key run ends and the query anchors
 
-  // Chunk `chunk` of batch row b: a query chunk below q_count, then the key chunks. `mine` is
+  __device__ int chunks() const { return layout.q_chunks + layout.kv_chunks; }
+  // Chunk `chunk` of batch row b: a query chunk below q_chunks, then the key chunks. `mine` is
   // its own side, `other` the opposite one.
   __device__ int locate(int b, int chunk, chunk_side& mine, chunk_side& other) const {
-    const chunk_side q{mask.q_segment_ids + int64_t(b) * seq_q, q_chunks + int64_t(b) * q_count, q_count,
-                       clamped_length(mask.q_lengths, b, seq_q), seq_q};
-    const chunk_side kv{mask.kv_segment_ids + int64_t(b) * seq_k, kv_chunks + int64_t(b) * kv_count, kv_count,
-                        clamped_length(mask.kv_lengths, b, seq_k), seq_k};
-    const bool is_q = chunk < q_count;
+    const segment_ranges& r = layout;
+    const chunk_side q{mask.q_segment_ids + int64_t(b) * r.seq_q, r.q + int64_t(b) * r.q_chunks, r.q_chunks,
+                       clamped_length(mask.q_lengths, b, r.seq_q), r.seq_q};
+    const chunk_side kv{mask.kv_segment_ids + int64_t(b) * r.seq_k, r.kv + int64_t(b) * r.kv_chunks, r.kv_chunks,
+                        clamped_length(mask.kv_lengths, b, r.seq_k), r.seq_k};
+    const bool is_q = chunk < r.q_chunks;
     mine = is_q ? q : kv;
     other = is_q ? kv : q;
-    return is_q ? chunk : chunk - q_count;
+    return is_q ? chunk : chunk - r.q_chunks;
   }
 };
 
 __global__ void __launch_bounds__(RANGE_WARPS * WARP_THREADS) chunk_ids_kernel(const __grid_constant__ range_args a) {
   const int b = blockIdx.y, chunk = blockIdx.x * RANGE_WARPS + warpid();
-  if (chunk >= a.q_count + a.kv_count) return;  // the whole warp
+  if (chunk >= a.chunks()) return;  // the whole warp
   chunk_side mine, other;
   const int c = a.locate(b, chunk, mine, other);
   int lo = INT_MAX, hi = INT_MIN;
@@ -123,10 +123,10 @@ __device__ int2 chunk_run_ends(const chunk_side& side, int c) {
 // row's start, the query length, and each start of a run of at least ANCHOR_RUN ids).
 __global__ void __launch_bounds__(RANGE_WARPS * WARP_THREADS) chunk_hulls_kernel(const __grid_constant__ range_args a) {
   const int b = blockIdx.y, chunk = blockIdx.x * RANGE_WARPS + warpid();
-  if (chunk >= a.q_count + a.kv_count) return;
+  if (chunk >= a.chunks()) return;
   chunk_side mine, other;
   const int c = a.locate(b, chunk, mine, other);
-  const bool is_q = chunk < a.q_count;
+  const bool is_q = chunk < a.layout.q_chunks;
   if (a.query_tiles) {
     const int2 ends = chunk_run_ends(mine, c);
     const int p[2] = {c * SEGMENT_CHUNK + laneid(), c * SEGMENT_CHUNK + WARP_THREADS + laneid()};
@@ -140,9 +140,9 @@ __global__ void __launch_bounds__(RANGE_WARPS * WARP_THREADS) chunk_hulls_kernel
                                              (s < n && mine.ids[s] != mine.ids[s - 1] && end[h] - s >= ANCHOR_RUN));
         bits[h] = __ballot_sync(0xffffffffu, anchor);
       }
-      if (laneid() < 2) a.layout.anchor_bits[(int64_t(b) * a.q_count + c) * 2 + laneid()] = bits[laneid()];
+      if (laneid() < 2) a.layout.anchor_bits[(int64_t(b) * a.layout.q_chunks + c) * 2 + laneid()] = bits[laneid()];
     } else {
-      int* run_end = a.layout.kv_run_end + int64_t(b) * a.seq_k;
+      int* run_end = a.layout.kv_run_end + int64_t(b) * a.layout.seq_k;
 #pragma unroll
       for (int h = 0; h < 2; h++)
         if (p[h] < mine.length) run_end[p[h]] = end[h];
@@ -175,8 +175,12 @@ __global__ void __launch_bounds__(RANGE_WARPS * WARP_THREADS) chunk_hulls_kernel
 
 constexpr int TILE_THREADS = 1024;
 
-// Exclusive prefix sum of x over the block's threads. `scratch`: 32 ints of shared memory.
-__device__ int block_exclusive_sum(int x, int* scratch) {
+// Prefix sums of x over the block's threads: the sum over the threads before this one, and over
+// all of them. `scratch`: 32 ints of shared memory.
+struct block_sum {
+  int before, total;
+};
+__device__ block_sum block_exclusive_sum(int x, int* scratch) {
   const int lane = laneid(), warp = warpid(), warps = blockDim.x / WARP_THREADS;
   int v = x;  // inclusive within the warp
 #pragma unroll
@@ -186,10 +190,13 @@ __device__ int block_exclusive_sum(int x, int* scratch) {
   }
   if (lane == WARP_THREADS - 1) scratch[warp] = v;  // the warp's total
   __syncthreads();
-  int before = v - x;
-  for (int w = 0; w < warp && w < warps; w++) before += scratch[w];
+  block_sum sum{v - x, 0};
+  for (int w = 0; w < warps; w++) {
+    if (w < warp) sum.before += scratch[w];
+    sum.total += scratch[w];
+  }
   __syncthreads();  // scratch may be reused
-  return before;
+  return sum;
 }
 
 struct tile_args {
@@ -199,7 +206,6 @@ struct tile_args {
 
 __global__ void __launch_bounds__(TILE_THREADS) query_tiles_kernel(const __grid_constant__ tile_args a) {
   __shared__ int scratch[32];
-  __shared__ int total;
   const int b = blockIdx.x;
   const segment_ranges& r = a.ranges;
   const int seq_q = r.seq_q;
@@ -213,15 +219,13 @@ __global__ void __launch_bounds__(TILE_THREADS) query_tiles_kernel(const __grid_
     uint32_t bits[2] = {0, 0};
     if (c < r.q_chunks)
       for (int h = 0; h < 2; h++) bits[h] = r.anchor_bits[(int64_t(b) * r.q_chunks + c) * 2 + h];
-    const int count = __popc(bits[0]) + __popc(bits[1]);
-    int at = n_anchors + block_exclusive_sum(count, scratch);
+    const block_sum placed = block_exclusive_sum(__popc(bits[0]) + __popc(bits[1]), scratch);
+    int at = n_anchors + placed.before;
     for (int h = 0; h < 2; h++)
       for (uint32_t x = bits[h]; x; x &= x - 1) anchors[at++] = c * SEGMENT_CHUNK + h * WARP_THREADS + __ffs(x) - 1;
-    if (threadIdx.x == blockDim.x - 1) total = at;
-    __syncthreads();
-    n_anchors = total;
-    __syncthreads();
+    n_anchors += placed.total;
   }
+  __syncthreads();  // the anchors are read across threads below
 
   // Tiles: from each anchor to the next, every QUERY_TILE_ROWS rows.
   int n_tiles = 0;
@@ -230,15 +234,12 @@ __global__ void __launch_bounds__(TILE_THREADS) query_tiles_kernel(const __grid_
     const int start = i < n_anchors ? anchors[i] : 0;
     const int stop = i + 1 < n_anchors ? anchors[i + 1] : seq_q;
     const int n = i < n_anchors ? (stop - start + QUERY_TILE_ROWS - 1) / QUERY_TILE_ROWS : 0;
-    const int first = n_tiles + block_exclusive_sum(n, scratch);
+    const block_sum placed = block_exclusive_sum(n, scratch);
     for (int j = 0; j < n; j++) {
       const int q0 = start + j * QUERY_TILE_ROWS;
-      tiles[first + j] = make_int4(q0, min(q0 + QUERY_TILE_ROWS, stop), 0, 0);
+      tiles[n_tiles + placed.before + j] = make_int4(q0, min(q0 + QUERY_TILE_ROWS, stop), 0, 0);
     }
-    if (threadIdx.x == blockDim.x - 1) total = first + n;
-    __syncthreads();
-    n_tiles = total;
-    __syncthreads();
+    n_tiles += placed.total;
   }
   if (threadIdx.x == 0) r.tile_counts[b] = n_tiles;
   if (b == 0 && threadIdx.x == 0) r.tile_counts[gridDim.x] = 0;  // no item claimed yet
@@ -321,17 +322,8 @@ __global__ void __launch_bounds__(HULL_WARPS * WARP_THREADS) tile_hulls_kernel(c
 cudaError_t launch_segment_ranges(const MaskParams& mask, int batch, int seq_q, int seq_k, cudaStream_t stream,
                                   bool query_tiles) {
   if (!mask.has_segment_ids()) return cudaSuccess;
-  range_args a{};
-  a.mask = mask;
-  a.seq_q = seq_q;
-  a.seq_k = seq_k;
-  a.q_count = segment_chunks(seq_q);
-  a.kv_count = segment_chunks(seq_k);
-  a.q_chunks = static_cast<int4*>(mask.workspace);
-  a.kv_chunks = a.q_chunks + int64_t(batch) * a.q_count;
-  a.layout = segment_ranges::at(mask.workspace, batch, seq_q, seq_k);
-  a.query_tiles = query_tiles;
-  const dim3 grid((a.q_count + a.kv_count + RANGE_WARPS - 1) / RANGE_WARPS, batch);
+  range_args a{mask, segment_ranges::at(mask.workspace, batch, seq_q, seq_k), query_tiles};
+  const dim3 grid((segment_chunks(seq_q) + segment_chunks(seq_k) + RANGE_WARPS - 1) / RANGE_WARPS, batch);
   chunk_ids_kernel<<<grid, RANGE_WARPS * WARP_THREADS, 0, stream>>>(a);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   chunk_hulls_kernel<<<grid, RANGE_WARPS * WARP_THREADS, 0, stream>>>(a);

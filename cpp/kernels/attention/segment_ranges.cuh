@@ -96,8 +96,8 @@ struct query_tile {
 //         tile_counts[batch])
 // each array for all batch rows before the next (int4 arrays first, for their alignment).
 struct segment_ranges {
-  const int4* q;
-  const int4* kv;
+  int4* q;   // written by the prologue, read by the kernels
+  int4* kv;
   int q_chunks, kv_chunks;
   int4* tiles;
   int* kv_run_end;         // [batch, seq_k]: the first position past j's run of one id (cut at the length)
