@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstddef>
+#include <climits>
 #include <cstdint>
 
 #include "attention.h"
@@ -31,6 +32,25 @@ constexpr int BACKWARD_Q_TILE = 64;
 
 // Key rows per group of the dK / dV accumulators: one warp's register tile.
 constexpr int BACKWARD_KEY_GROUP = 16;
+
+// The passes around the backward kernel (row statistics, dq and dk / dv out of the
+// accumulators) are memory-bound, a block for one tile of rows of one (batch, head). In
+// [batch, seq, heads, D] tensors the rows of one head lie heads x D elements apart, so blocks
+// that run together should take the heads of one tile, not the tiles of one head: together
+// they then read or write whole runs of neighbouring rows. A grid of (tiles x heads, batch),
+// heads first.
+struct head_tile {
+  int tile, h, b;
+  __device__ static head_tile of_block(int heads) {
+    return {int(blockIdx.x) / heads, int(blockIdx.x) % heads, int(blockIdx.y)};
+  }
+  // false where tiles x heads blocks do not fit the grid's x.
+  static bool grid(dim3& g, int64_t tiles, int heads, int batch) {
+    if (tiles * heads > INT32_MAX || batch > 65535) return false;
+    g = dim3(unsigned(tiles * heads), unsigned(batch), 1);
+    return true;
+  }
+};
 
 struct backward_workspace {
   float* dq_accum;
