@@ -123,8 +123,10 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   if (p.capacity > 0) {  // else no block loads anything
     bool ok;
     if (!p.paged) {
-      ok = tma::make_bshd_map(&args.k, p.k, bf, p.batch, int(p.capacity), p.heads_kv, D, config::KV) &&
-           tma::make_bshd_map(&args.v, p.v, bf, p.batch, int(p.capacity), p.heads_kv, D, config::KV);
+      // Boxes of CONTIGUOUS_BOX_ROWS rows of one 64-column panel (decode_kernel.cuh says why).
+      const int capacity = int(p.capacity), box = CONTIGUOUS_BOX_ROWS;
+      ok = tma::make_bshd_map(&args.k, p.k, type, 2, p.batch, capacity, p.heads_kv, D, box, 64) &&
+           tma::make_bshd_map(&args.v, p.v, type, 2, p.batch, capacity, p.heads_kv, D, box, 64);
     } else {
       // Pages as the batch axis of a [pages, page_size, heads_kv, D] tensor; a box is a tile
       // of one page, or where pages are smaller, one page of one 64-column panel.
