@@ -2,9 +2,9 @@
 // the fp32 accumulators the backward kernel added them into (backward_workspace.cuh).
 //
 // Memory-bound: a block of four warps takes 64 key rows of one (batch, KV head) (heads first:
-// head_tile); warp w loads
-// its 16 rows of dK and of dV in fragment order (load_global_fragments) and stores them in row
-// order, converting; rows past seq_k are skipped.
+// head_tile); warp w loads its 16 rows of dK and of dV in fragment order
+// (load_global_fragments) and stores them in row order, converting; rows past seq_k are
+// skipped.
 #pragma once
 
 #include "../../kittens/kittens.cuh"

@@ -2,10 +2,9 @@
 // (backward_workspace.cuh).
 //
 // Memory-bound: a block of four warps takes one query tile of one (batch, head) (heads first:
-// head_tile). Warp w loads
-// its 16 rows of each 64-column chunk in the accumulator's fragment order
-// (load_global_fragments: each 16-byte load of a warp reads 512 contiguous bytes) and stores
-// them in row order, converting (kittens store: 16-byte stores that fill whole 32-byte
+// head_tile). Warp w loads its 16 rows of each 64-column chunk in the accumulator's fragment
+// order (load_global_fragments: each 16-byte load of a warp reads 512 contiguous bytes) and
+// stores them in row order, converting (kittens store: 16-byte stores that fill whole 32-byte
 // sectors); rows past seq_q are skipped.
 #pragma once
 

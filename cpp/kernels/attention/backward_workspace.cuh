@@ -19,8 +19,8 @@
 // them, and rows are padded to whole query tiles.
 #pragma once
 
-#include <cstddef>
 #include <climits>
+#include <cstddef>
 #include <cstdint>
 
 #include "attention.h"
