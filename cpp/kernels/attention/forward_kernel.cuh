@@ -2,10 +2,11 @@
 //
 // The work comes in items: a block of 64 C query rows of one (batch, head), C = 2 or 3, and
 // the key tiles its band can see; with segment ids, a tile of up to 128 query rows that starts
-// where a document starts, and key tiles from its documents' first key. A block has C + 1 warpgroups. Warpgroup 0 is the producer:
-// one thread loads an item's Q and streams its K and V tiles (128 keys; 64 at D = 256)
-// through rings of shared-memory stages with TMA, each stage guarded by a "full" barrier (the
-// copy engine completes it) and an "empty" barrier (the consumers release it). Warpgroups
+// where a document starts, and key tiles from its documents' first key. A block has C + 1
+// warpgroups. Warpgroup 0 is the producer: one thread loads an item's Q and streams its K and
+// V tiles (128 keys; 64 at D = 256) through rings of shared-memory stages with TMA, each stage
+// guarded by a "full" barrier (the copy engine completes it) and an "empty" barrier (the
+// consumers release it). Warpgroups
 // 1 .. C are consumers, 64 query rows each:
 //   S = Q K^T                                   (wgmma, Q and K from shared memory)
 //   m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
@@ -472,9 +473,9 @@ cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
     // the last pairs' lightest run (5.6% at D=128 causal 8k in scripts/balance_model.py, 5.7% in
     // a per-block trace), and each block pays ~3 tiles of start-up and write-out. The
     // persistent kernel on half as many blocks as items gives block b items b and
-    // items - 1 - b (walk_item_numbers): a heavy query block and its mirror, so every block has the same
-    // work, the second item's loads start while the first is computed, and the hardware still
-    // hands blocks to SMs as they free up. Longer pairs: the plain grid (pairing them costs more
+    // items - 1 - b (walk_item_numbers): a heavy query block and its mirror, so every block has
+    // the same work, the second item's loads start while the first is computed, and the
+    // hardware still hands blocks to SMs as they free up. Longer pairs: the plain grid (pairing them costs more
     // in the last wave than it saves, in the model). Causal forward 8k, mirrored same-card
     // rounds: D=256 +6.4%, D=128 +0.5%, D=64 -1.1% (within the rounds' spread).
     if (p.window_right >= 0 && 2 * query_blocks<config::Q_ROWS>(p) <= sms) {

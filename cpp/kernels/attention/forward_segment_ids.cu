@@ -7,7 +7,9 @@
 namespace tk::attention {
 
 cudaError_t forward_with_segment_ids(const ForwardParams& p, cudaStream_t stream) {
-  if (cudaError_t err = launch_segment_ranges(p.mask, p.batch, p.seq_q, p.seq_k, stream, /*query_tiles=*/true); err != cudaSuccess)
+  const bool query_tiles = true;  // the forward walks the prologue's query tiles
+  if (cudaError_t err = launch_segment_ranges(p.mask, p.batch, p.seq_q, p.seq_k, stream, query_tiles);
+      err != cudaSuccess)
     return err;
   return launch_forward_kernels<true>(p, stream);
 }

@@ -71,20 +71,26 @@ __global__ void __launch_bounds__(RANGE_WARPS * WARP_THREADS) chunk_ids_kernel(c
     }
   }
   static_assert(SEGMENT_CHUNK == 2 * WARP_THREADS);
-  lo = __reduce_min_sync(0xffffffffu, lo);
-  hi = __reduce_max_sync(0xffffffffu, hi);
-  if (laneid() == 0) mine.chunks[c] = make_int4(lo, hi, INT_MAX, INT_MIN);  // the hull: next launch
+  const int2 range = warp_id_range(lo, hi);
+  if (laneid() == 0) mine.chunks[c] = make_int4(range.x, range.y, INT_MAX, INT_MIN);  // the hull: next launch
 }
 
 // The run ends of chunk c's positions (within the length; the first position past each one's run
 // of one id), by lane: positions c 64 + lane and c 64 + 32 + lane. A run that reaches the
 // chunk's end is followed through the chunks that hold its id alone (their summaries, 32 at a
 // time), then to the first other id.
+// Bit i: pred(base + i), for the 64 positions of the chunk that starts at base (a warp's ballots).
+template <typename Pred>
+__device__ uint64_t chunk_ballot(int base, Pred pred) {
+  static_assert(SEGMENT_CHUNK == 2 * WARP_THREADS);
+  return uint64_t(__ballot_sync(0xffffffffu, pred(base + laneid()))) |
+         uint64_t(__ballot_sync(0xffffffffu, pred(base + WARP_THREADS + laneid()))) << 32;
+}
+
 __device__ int2 chunk_run_ends(const chunk_side& side, int c) {
   const int n = side.length, base = c * SEGMENT_CHUNK;
   auto changes_after = [&](int p) { return p < n && (p + 1 == n || side.ids[p + 1] != side.ids[p]); };
-  const uint64_t changes = uint64_t(__ballot_sync(0xffffffffu, changes_after(base + laneid()))) |
-                           uint64_t(__ballot_sync(0xffffffffu, changes_after(base + WARP_THREADS + laneid()))) << 32;
+  const uint64_t changes = chunk_ballot(base, changes_after);
   const int last = min(n, base + SEGMENT_CHUNK) - 1;  // the chunk's last position in the length
   int beyond = n;  // where the run through the chunk's end stops
   if (last >= base && !((changes >> (last - base)) & 1)) {
@@ -106,8 +112,7 @@ __device__ int2 chunk_run_ends(const chunk_side& side, int c) {
     if (stop < side.count) {
       auto differs = [&](int p) { return p >= n || side.ids[p] != id; };
       const int p0 = stop * SEGMENT_CHUNK;
-      const uint64_t d = uint64_t(__ballot_sync(0xffffffffu, differs(p0 + laneid()))) |
-                         uint64_t(__ballot_sync(0xffffffffu, differs(p0 + WARP_THREADS + laneid()))) << 32;
+      const uint64_t d = chunk_ballot(p0, differs);
       beyond = min(n, p0 + __ffsll(d) - 1);  // d is not 0: the chunk is not wholly of this id
     }
   }
@@ -266,7 +271,8 @@ __device__ int matching_key(const int4* chunks, const int32_t* ids, int lo, int 
       const int chunk = FROM_RIGHT ? last_chunk - done - k : first_chunk + done + k;
       for (int part = 0; part < SEGMENT_CHUNK / WARP_THREADS; part++) {
         const int half = FROM_RIGHT ? SEGMENT_CHUNK / WARP_THREADS - 1 - part : part;
-        const int j = chunk * SEGMENT_CHUNK + half * WARP_THREADS + (FROM_RIGHT ? WARP_THREADS - 1 - laneid() : laneid());
+        const int lane = FROM_RIGHT ? WARP_THREADS - 1 - laneid() : laneid();
+        const int j = chunk * SEGMENT_CHUNK + half * WARP_THREADS + lane;
         const bool hit = j >= from && j < to && ids[j] >= lo && ids[j] <= hi;
         const unsigned hits = __ballot_sync(0xffffffffu, hit);
         if (hits) {
@@ -299,8 +305,7 @@ __global__ void __launch_bounds__(HULL_WARPS * WARP_THREADS) tile_hulls_kernel(c
       lo = min(lo, q_ids[row]);
       hi = max(hi, q_ids[row]);
     }
-    lo = __reduce_min_sync(0xffffffffu, lo);
-    hi = __reduce_max_sync(0xffffffffu, hi);
+    const int2 range = warp_id_range(lo, hi);
     int hull_lo = INT_MAX, hull_hi = INT_MIN;
     for (int c = q0 / SEGMENT_CHUNK; c * SEGMENT_CHUNK < q_end; c++) {
       const int4 chunk = r.q[int64_t(b) * r.q_chunks + c];
@@ -308,10 +313,10 @@ __global__ void __launch_bounds__(HULL_WARPS * WARP_THREADS) tile_hulls_kernel(c
       hull_hi = max(hull_hi, chunk.w);
     }
     const int4* key_chunks = r.kv + int64_t(b) * r.kv_chunks;
-    const int first = matching_key<false>(key_chunks, kv_ids, lo, hi, hull_lo, hull_hi);
+    const int first = matching_key<false>(key_chunks, kv_ids, range.x, range.y, hull_lo, hull_hi);
     if (first >= 0) {
       k_lo = first;
-      k_hi = matching_key<true>(key_chunks, kv_ids, lo, hi, first, hull_hi);
+      k_hi = matching_key<true>(key_chunks, kv_ids, range.x, range.y, first, hull_hi);
     }
   }
   if (laneid() == 0) *tile = make_int4(t.x, t.y, k_lo, k_hi);

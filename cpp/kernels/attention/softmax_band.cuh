@@ -125,9 +125,10 @@ __device__ __forceinline__ bool online_softmax_step(rt_fl<16, KV>& scores, row_v
 
 // O /= l, written to p.o, and lse = ln 2 (c m + log2 l) to p.lse, for the warp's 16 rows from
 // row0 (rows from row_end on, which belong to other items or lie past seq_q, are skipped). `l`
-// holds each lane's partial row sums (online_softmax_step); they are summed across the row here. A row that saw no key (l = 0)
-// gets O = 0 and lse = -inf, whatever its O holds (a masked key's V times P = 0 may be NaN); a
-// NaN the row saw (l or O NaN) reaches both O and lse.
+// holds each lane's partial row sums (online_softmax_step); they are summed across the row
+// here. A row that saw no key (l = 0) gets O = 0 and lse = -inf, whatever its O holds (a
+// masked key's V times P = 0 may be NaN); a NaN the row saw (l or O NaN) reaches both O and
+// lse.
 template <typename T, int D>
 __device__ __forceinline__ void store_output(rt_fl<16, D>& o, const row_vec<16>& m, row_vec<16> l, float c,
                                              const ForwardParams& p, int b, int h, int row0, int row_end) {

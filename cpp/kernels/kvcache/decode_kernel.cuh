@@ -181,21 +181,26 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS>& s, const
   constexpr int KV = decode_config<D, GROUPS>::KV;
   const Params& p = args.p;
   const int lane = laneid();
+  // K, then V, of tile i into `stage`, by the whole warp: lane 0 waits until the stage is free
+  // and sets the bytes to expect, then load(tile, map, full) issues the lanes' boxes.
+  auto k_and_v = [&](int i, int stage, uint32_t bytes, auto load) {
+    for (int kv = 0; kv < 2; kv++) {
+      auto& ring = kv == 0 ? s.k_ring : s.v_ring;
+      if (lane == 0) ring.fill(i, bytes);
+      __syncwarp();
+      load(kv == 0 ? s.k[stage] : s.v[stage], kv == 0 ? args.k : args.v, ring.full[stage]);
+    }
+  };
   if (!p.paged) {  // lane j loads box j: rows [j % ROW_BOXES * BOX, + BOX) of panel j / ROW_BOXES
     constexpr int BOX = CONTIGUOUS_BOX_ROWS, ROW_BOXES = KV / BOX, BOXES = ROW_BOXES * D / 64;
     static_assert(KV % BOX == 0 && BOXES <= WARP_THREADS, "a box a lane");
     const int panel = lane / ROW_BOXES, row = lane % ROW_BOXES * BOX;
     for (int i = 0; i < w.tiles(); i++) {
-      const int k0 = (w.first_tile + i) * KV, stage = s.k_ring.slot(i);
-      for (int kv = 0; kv < 2; kv++) {
-        auto& ring = kv == 0 ? s.k_ring : s.v_ring;
-        auto& tile = kv == 0 ? s.k[stage] : s.v[stage];
-        if (lane == 0) ring.fill(i, sizeof(tile));  // waits until the stage is free
-        __syncwarp();
+      const int k0 = (w.first_tile + i) * KV;
+      k_and_v(i, s.k_ring.slot(i), sizeof(s.k[0]), [&](auto& tile, const CUtensorMap& map, tma::barrier& full) {
         if (lane < BOXES)
-          tma::load_async(tile.data + (panel * KV + row) * 64, kv == 0 ? args.k : args.v, ring.full[stage], 0,
-                          k0 + row, panel, w.kv_h, w.b);
-      }
+          tma::load_async(tile.data + (panel * KV + row) * 64, map, full, 0, k0 + row, panel, w.kv_h, w.b);
+      });
     }
     return;
   }
@@ -223,18 +228,13 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS>& s, const
     const int loaded = min(pages_per_tile, (w.seqlen - k0 + p.page_size - 1) / p.page_size);
     pages.advance_to(first_page);
     const int page = pages.page_of(first_page + min(lane, pages_per_tile - 1));
-    for (int kv = 0; kv < 2; kv++) {
-      auto& ring = kv == 0 ? s.k_ring : s.v_ring;
-      auto& tile = kv == 0 ? s.k[stage] : s.v[stage];
-      if (lane == 0) ring.fill(i, loaded * page_bytes);  // waits until the stage is free
-      __syncwarp();
+    k_and_v(i, stage, loaded * page_bytes, [&](auto& tile, const CUtensorMap& map, tma::barrier& full) {
       if (lane < loaded) {
 #pragma unroll
         for (int panel = 0; panel < D / 64; panel++)
-          tma::load_async(tile.data + (panel * KV + lane * p.page_size) * 64, kv == 0 ? args.k : args.v,
-                          ring.full[stage], 0, 0, panel, w.kv_h, page);
+          tma::load_async(tile.data + (panel * KV + lane * p.page_size) * 64, map, full, 0, 0, panel, w.kv_h, page);
       }
-    }
+    });
   }
 }
 
