@@ -92,10 +92,31 @@ def entry_schedule(hlo: str) -> list[tuple[str, str, str]]:
     return out
 
 
-def _kind(opcode: str, rest: str) -> str:
+def nested_kernels(hlo: str) -> dict[str, str]:
+    """Per computation of the module: the tk_* custom call it holds, if any. XLA may fuse a
+    kernel call into a fusion (with the dynamic slices of its operands, say) that the entry
+    computation calls: the fusion then runs that kernel."""
+    found, computation = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            computation = header.group(1)
+            continue
+        target = re.search(r'custom_call_target="(tk_[^"]+)"', line)
+        if computation and target:
+            found.setdefault(computation, target.group(1))
+    return found
+
+
+def kind_of(opcode: str, rest: str, nested: dict[str, str]) -> str:
+    """What an instruction runs: a custom call's target, the tk_* kernel of a fusion or call
+    that holds one (see nested_kernels), else its opcode."""
     if opcode == "custom-call":
         target = re.search(r'custom_call_target="([^"]+)"', rest)
         return target.group(1) if target else "custom-call"
+    called = re.search(r"(?:calls|to_apply)=%?([\w.\-]+)", rest)
+    if opcode in ("fusion", "call") and called and called.group(1) in nested:
+        return nested[called.group(1)]
     return opcode
 
 
@@ -104,6 +125,7 @@ def describe_schedule(hlo: str) -> list[str]:
     other ops folded into counts), and for every async collective what lies between its start
     and its done."""
     schedule = entry_schedule(hlo)
+    nested = nested_kernels(hlo)
     names = [name for name, _, _ in schedule]
     lines, folded = [], 0
 
@@ -115,7 +137,7 @@ def describe_schedule(hlo: str) -> list[str]:
 
     important = ("tk_", "conditional", "-start", "-done", "while", "call")
     for name, opcode, rest in schedule:
-        kind = _kind(opcode, rest)
+        kind = kind_of(opcode, rest, nested)
         if any(key in kind for key in important) or kind in ASYNC_PAIRS:
             flush()
             sync = "  [sync]" if '"is_sync":true' in rest.replace(" ", "") else ""
@@ -132,7 +154,7 @@ def describe_schedule(hlo: str) -> list[str]:
                      if schedule[j][1].endswith("-done") and
                      re.search(rf"%{re.escape(name)}\b", schedule[j][2])), None)
         between = schedule[index + 1:done] if done is not None else []
-        kernels = [_kind(o, r) for _, o, r in between
+        kernels = [kind_of(o, r, nested) for _, o, r in between
                    if o in ("custom-call", "conditional", "fusion", "while", "call")]
         heavy = [k for k in kernels if k.startswith("tk_") or k == "conditional"]
         total += 1

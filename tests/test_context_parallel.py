@@ -766,7 +766,15 @@ ENTRY %main.1 (p0: bf16[4], p1: s32[]) -> bf16[4] {
   %collective-permute-start.10 = (bf16[4]{0}, bf16[4]{0}) collective-permute-start(%collective-permute-done.1), channel_id=2, backend_config={"collective_backend_config":{"is_sync":true}}
   %collective-permute-done.10 = bf16[4]{0} collective-permute-done(%collective-permute-start.10)
   %fusion.3 = bf16[4]{0} fusion(%collective-permute-done.10), kind=kLoop, calls=%branch
+  %collective-permute-start.11 = (bf16[4]{0}, bf16[4]{0}) collective-permute-start(%fusion.3), channel_id=3
+  %dynamic_slice_fusion = (bf16[4]{0}, f32[4]{0}) fusion(%fusion.3, %p1), kind=kCustom, calls=%sliced_kernel
+  %collective-permute-done.11 = bf16[4]{0} collective-permute-done(%collective-permute-start.11)
   ROOT %conditional.4 = bf16[4]{0} conditional(%p1, %fusion.3), branch_computations={%branch}
+}
+
+%sliced_kernel (p.0: bf16[4], p.1: s32[]) -> (bf16[4], f32[4]) {
+  %p.0 = bf16[4]{0} parameter(0)
+  ROOT %custom-call.5 = (bf16[4]{0}, f32[4]{0}) custom-call(%p.0), custom_call_target="tk_attention_bwd"
 }
 """
 
@@ -780,8 +788,10 @@ def test_profile_ring_reads_a_schedule_and_a_trace():
                           ("custom-call.2", "custom-call"),
                           ("collective-permute-done.1", "collective-permute-done")]
     text = "\n".join(profile_ring.describe_schedule(SCHEDULE))
-    assert "2 async collective(s)" in text and "1 with an attention call" in text, text
+    # The kernel fused with its operands' slices (dynamic_slice_fusion) counts as a kernel call.
+    assert "3 async collective(s)" in text and "2 with an attention call" in text, text
     assert "1 marked is_sync" in text and "tk_attention_fwd" in text, text
+    assert "tk_attention_bwd                 dynamic_slice_fusion" in text, text
     # Trace: NCCL runs 10..30 us, compute 0..20 and 25..40: 15 of its 20 us overlap.
     events = [("/device:GPU:0", "Stream #1", "fusion", "compute", 0.0, 20.0),
               ("/device:GPU:0", "Stream #1", "tk_attention", "compute", 25.0, 15.0),
