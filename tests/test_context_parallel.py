@@ -252,20 +252,54 @@ def test_sequence_plan_choices(monkeypatch):
 # 2. Moving shards between the contiguous and the load-balanced layout.
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_layout_permutes_match_to_load_balanced(n):
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_paired_layout_holds_balanced_chunk_pairs_and_comes_back(n):
+    """Device r of the paired layout holds chunks x and 2n-1-x (x = its ring position,
+    lower chunk first) of every array, whatever its dtype and sequence axis; from_paired
+    restores the contiguous split. None stays None."""
     mesh = mesh_of((n,), ("seq",))
-    x = jnp.arange(2 * n * 3 * 2, dtype=jnp.float32).reshape(1, 2 * n * 3, 2)
+    chunk = 3
+    t = 2 * n * chunk
+    x = jnp.arange(t * 2, dtype=jnp.bfloat16).reshape(1, t, 2)       # sequence axis 1
+    y = jnp.arange(2 * t, dtype=jnp.float32).reshape(1, 2, t) * 0.5  # sequence axis 2
+    ids = jnp.arange(t, dtype=jnp.int32).reshape(1, t)
+    specs = (P(None, "seq"), P(None, None, "seq"), P(None, "seq"))
+
+    def there(x, y, ids):
+        items = [(x, 1), (None, 1), (y, 2), (ids, 1)]
+        moved = _context_parallel.to_paired(items, "seq", n)
+        assert moved[1] is None
+        return moved[0], moved[2], moved[3]
+
+    def back(x, y, ids):
+        moved = _context_parallel.from_paired([(x, 1), (y, 2), (ids, 1)], "seq", n)
+        return tuple(moved)
+
+    paired = jax.jit(jax.shard_map(there, mesh=mesh, in_specs=specs, out_specs=specs))(x, y, ids)
+    order = _context_parallel.paired_order(n)
+    assert sorted(order) == list(range(n))
+    chunks = [c for p in order for c in (p, 2 * n - 1 - p)]
+    positions = np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks])
+    np.testing.assert_array_equal(paired[0], np.asarray(x)[:, positions])
+    np.testing.assert_array_equal(paired[1], np.asarray(y)[:, :, positions])
+    np.testing.assert_array_equal(paired[2], np.asarray(ids)[:, positions])
+    restored = jax.jit(jax.shard_map(back, mesh=mesh, in_specs=specs, out_specs=specs))(*paired)
+    for got, want in zip(restored, (x, y, ids)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_paired_layout_moves_everything_in_one_transfer():
+    """All arrays of one direction travel as one collective-permute (between partners)."""
+    mesh = mesh_of((4,), ("seq",))
     spec = P(None, "seq")
-    there = jax.shard_map(functools.partial(_context_parallel.contiguous_to_balanced,
-                                            axis_name="seq", n=n, axis=1),
-                          mesh=mesh, in_specs=spec, out_specs=spec)
-    back = jax.shard_map(functools.partial(_context_parallel.balanced_to_contiguous,
-                                           axis_name="seq", n=n, axis=1),
-                         mesh=mesh, in_specs=spec, out_specs=spec)
-    balanced = jax.jit(there)(x)
-    np.testing.assert_array_equal(balanced, tk_jax.to_load_balanced(x, n, axis=1))
-    np.testing.assert_array_equal(jax.jit(back)(balanced), x)
+
+    def there(a, b, c):
+        return tuple(_context_parallel.to_paired([(a, 1), (b, 1), (c, 1)], "seq", 4))
+
+    args = [jnp.zeros((1, 16, 2), dt) for dt in (jnp.bfloat16, jnp.float32, jnp.int32)]
+    hlo = jax.jit(jax.shard_map(there, mesh=mesh, in_specs=(spec,) * 3,
+                                out_specs=(spec,) * 3)).lower(*args).as_text()
+    assert hlo.count("collective_permute") == 1, hlo
 
 
 # ----------------------------------------------------------------------------------------------

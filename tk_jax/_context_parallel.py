@@ -93,11 +93,24 @@ def steps_by_lengths() -> bool:
 # Pieces.
 
 
-def send(x, axis_name: AxisName, num_devices: int, shift: int = 1):
+# A ring's order: order[d] is the ring position of device d (the position the plans count
+# devices in); None: the device index itself.
+Order = tuple | None
+
+
+def send(x, axis_name: AxisName, num_devices: int, shift: int = 1, order: Order = None):
     """Every device passes x (one array: one transfer) to the device `shift` places further on
     the ring."""
-    perm = [(i, (i + shift) % num_devices) for i in range(num_devices)]
+    order = tuple(range(num_devices)) if order is None else order
+    device_at = {position: device for device, position in enumerate(order)}
+    perm = [(d, device_at[(order[d] + shift) % num_devices]) for d in range(num_devices)]
     return lax.ppermute(x, axis_name, perm)
+
+
+def ring_position(axis_name: AxisName, order: Order = None):
+    """This device's ring position (an int32 scalar)."""
+    me = lax.axis_index(axis_name)
+    return me if order is None else jnp.asarray(order, jnp.int32)[me]
 
 
 def _to_words(x):
@@ -176,21 +189,21 @@ def replace_rows(x, rows: slice, new, *, axis: int):
     return jnp.concatenate([p for p in parts if p.shape[axis]], axis=axis)
 
 
-def _run_step(step: plans.Step, axis_name, branch: Callable, *operands):
+def _run_step(step: plans.Step, axis_name, branch: Callable, *operands, order: Order = None):
     """branch(blocks, *operands, lengths=...) with this device's blocks of the step: called
     directly when every device has the same blocks; for a step by lengths, called once with
     the step's one block and this device's (q_len, kv_len) (int32 scalars, looked up by the
-    device index in the plan's table: no host round trip, unlike a switch); else through
-    lax.switch on the device index (each device runs only its own branch)."""
+    device's ring position in the plan's table: no host round trip, unlike a switch); else
+    through lax.switch on the ring position (each device runs only its own branch)."""
     if step.lengths is not None:
-        me = lax.axis_index(axis_name)
+        me = ring_position(axis_name, order)
         table = step.lengths
         lengths = tuple(jnp.asarray(t, jnp.int32)[me]
                         for t in (table.q_lengths, table.kv_lengths))
         return branch((table.block,), *operands, lengths=lengths)
     if len(step.branches) == 1:
         return branch(step.branches[0], *operands)
-    index = jnp.asarray(step.branch_of_device, jnp.int32)[lax.axis_index(axis_name)]
+    index = jnp.asarray(step.branch_of_device, jnp.int32)[ring_position(axis_name, order)]
     return lax.switch(index, [functools.partial(branch, b) for b in step.branches], *operands)
 
 
@@ -310,13 +323,15 @@ def _with_segments(k, v, kv_segment_ids) -> tuple:
 
 
 def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: BlockForward,
-                 q_segment_ids=None, kv_segment_ids=None, keep_neighbour_keys: bool = False):
+                 q_segment_ids=None, kv_segment_ids=None, keep_neighbour_keys: bool = False,
+                 order: Order = None):
     """(o [B, Tq, Hq, Dv] in q's dtype, lse [B, Hq, Tq] float32) of this device's queries; the
     keys and values (and their segment ids, [B, T] int32, if given) go around the ring (one
     transfer per step after the first, issued before the step's computation).
 
     keep_neighbour_keys: also return the payload of the previous device's keys (None in a
-    ring of one step), for ring_backward, whose first step needs them."""
+    ring of one step), for ring_backward, whose first step needs them. order: the devices'
+    ring positions (None: their indices)."""
     acc = _empty_forward(q, v)
     unwritten = np.ones(q.shape[1], bool)
     # The queries in each row order the steps count in (the swapped copy made once), the
@@ -335,14 +350,14 @@ def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: 
             if index:
                 payload, acc = _after(payload, acc)
             # Issued before this step's computation; the block is passed on as it came.
-            payload = send(payload, axis_name, plan.num_devices)
+            payload = send(payload, axis_name, plan.num_devices, order=order)
             if index == 0:
                 neighbour_keys = payload
         q_step, q_segment_ids_step = queries[step.rows_swapped]
         moved = step.rows_swapped != swapped
         branch = functools.partial(_forward_blocks, attend, unwritten, q_segment_ids_step,
                                    moved)
-        acc = _run_step(step, axis_name, branch, q_step, kv, acc)
+        acc = _run_step(step, axis_name, branch, q_step, kv, acc, order=order)
         unwritten = _touched_rows(step, unwritten, moved)
         kv = None if last else unpack(payload, likes)
     o, lse = acc
@@ -354,13 +369,14 @@ def ring_forward(q, k, v, *, plan: plans.RingPlan, axis_name: AxisName, attend: 
 
 
 def whole_keys_forward(q, k, v, *, step: plans.Step, axis_name: AxisName,
-                       attend: BlockForward, q_segment_ids=None, kv_segment_ids=None):
+                       attend: BlockForward, q_segment_ids=None, kv_segment_ids=None,
+                       order: Order = None):
     """Forward with all keys and values on this device (k, v [B, Tk, Hkv, D] in global
     order), its queries in the layout `step` was planned for."""
     branch = functools.partial(_forward_blocks, attend, np.ones(q.shape[1], bool),
                                q_segment_ids, False)
     o, lse = _run_step(step, axis_name, branch, q, _with_segments(k, v, kv_segment_ids),
-                       _empty_forward(q, v))
+                       _empty_forward(q, v), order=order)
     return o.astype(q.dtype), lse
 
 
@@ -399,7 +415,7 @@ def _backward_blocks(attend_bwd: BlockBackward, saved, moved: bool, blocks, kv, 
 
 def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
                   axis_name: AxisName, attend_bwd: BlockBackward, q_segment_ids=None,
-                  kv_segment_ids=None, neighbour_keys=None):
+                  kv_segment_ids=None, neighbour_keys=None, order: Order = None):
     """(dq, dk, dv) in the dtypes of q, k, v, for the global o, lse of this device's queries
     and the cotangents do (and dlse, or None). neighbour_keys: the payload ring_forward kept
     (keep_neighbour_keys), which spares the first transfer; else it is sent again (a transfer
@@ -413,12 +429,14 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
     own = _with_segments(k, v, kv_segment_ids)
     if steps > 1:
         # Step 1's keys: the previous device's, kept by the forward or sent now.
-        kv_words = send(pack(own), axis_name, n) if neighbour_keys is None else neighbour_keys
-        # Tied to the cotangent, the next transfer (step 2's keys) belongs to the backward: its
-        # operand is ready early, and a scheduler that moves it into the forward leaves the
-        # forward's own transfer of that time nothing to overlap (XLA then runs it
-        # synchronously).
-        kv_words, do = _after(kv_words, do)
+        kv_words = (send(pack(own), axis_name, n, order=order) if neighbour_keys is None
+                    else neighbour_keys)
+        # Tied to the forward's result and the cotangent, the next transfer (step 2's keys)
+        # belongs to the backward: its operand is ready early, and a scheduler that moves it
+        # into the forward makes one of the forward's own transfers wait for it, with nothing
+        # to overlap (the cotangent alone does not hold it back where the cotangent is an
+        # input of the program rather than computed from o).
+        kv_words, (do, o) = _after(kv_words, (do, o))
     # The query-side arrays in each row order the steps count in (the swapped copies made
     # once), dq in the swapped one where there is one (see ring_forward).
     swapped = plan.rows_swapped
@@ -443,9 +461,9 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
             # block (the block the receiver holds now). The sums tie the transfer to the
             # previous step (see _after); the first one, with keys only, to nothing.
             parts = ([] if last else [kv_words]) + ([] if finished is None else [pack(finished)])
-            received = send(jnp.concatenate(parts), axis_name, n) if parts else None
+            received = send(jnp.concatenate(parts), axis_name, n, order=order) if parts else None
             step = plan.steps[index]
-            dq, contribution = _run_step(step, axis_name, branch(step), kv, dq)
+            dq, contribution = _run_step(step, axis_name, branch(step), kv, dq, order=order)
             if finished is not None:  # the previous devices' share of the block held now
                 incoming = unpack(received[kv_count if not last else 0:], sum_likes)
                 contribution = jax.tree.map(jnp.add, incoming, contribution)
@@ -455,9 +473,11 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
                 kv = unpack(kv_words, kv_likes)
         # The partial sums of the last block go home (device r - (steps - 1) -> shift back)
         # while the device computes its own block.
-        home = unpack(send(pack(finished), axis_name, n, shift=-(steps - 1)), sum_likes)
+        home = unpack(send(pack(finished), axis_name, n, shift=-(steps - 1), order=order),
+                      sum_likes)
     if plan.steps:
-        dq, (dk, dv) = _run_step(plan.steps[0], axis_name, branch(plan.steps[0]), own, dq)
+        dq, (dk, dv) = _run_step(plan.steps[0], axis_name, branch(plan.steps[0]), own, dq,
+                                 order=order)
     else:
         dk, dv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
     if home is not None:
@@ -469,21 +489,24 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
 
 def whole_keys_backward(q, k, v, o, lse, do, dlse=None, *, step: plans.Step,
                         axis_name: AxisName, attend_bwd: BlockBackward, q_segment_ids=None,
-                        kv_segment_ids=None):
+                        kv_segment_ids=None, order: Order = None):
     """(dq in q's dtype, dk, dv float32 over all keys: this device's share, to be summed
     over the devices) with all keys and values on this device."""
     branch = functools.partial(_backward_blocks, attend_bwd,
                                (q, o, lse, do, dlse, q_segment_ids), False)
     dq, (gk, gv) = _run_step(step, axis_name, branch, _with_segments(k, v, kv_segment_ids),
-                             jnp.zeros_like(q, jnp.float32))
+                             jnp.zeros_like(q, jnp.float32), order=order)
     return dq.astype(q.dtype), gk, gv
 
 
 # ----------------------------------------------------------------------------------------------
-# The load-balanced layout between devices. In the contiguous layout device s holds chunks 2s
-# and 2s+1 of 2n; in the load-balanced one device r holds chunks r and 2n-1-r. Each device
-# holds one even and one odd chunk in both, so two collective-permutes (one of even chunks, one
-# of odd ones) move everything, each device sending and receiving one chunk in each.
+# From the contiguous split to a load-balanced one and back. Contiguous, device r holds chunks 2r
+# and 2r+1 of 2n. Causal work is even when every device holds a pair of chunks x and 2n-1-x, so
+# device r keeps its even chunk 2r and trades its odd chunk with device n-1-r, which holds the
+# chunk 2n-1-2r it lacks: half a shard each way between partners, every array of a call in one
+# payload (one transfer). The pair is stored lower chunk first, and the device's ring position
+# is the x of its pair (paired_order): the plans of the load-balanced layout (position x holds
+# chunks x and 2n-1-x, in that order) hold as they are.
 
 
 def _halves(x, axis):
@@ -492,31 +515,52 @@ def _halves(x, axis):
             lax.slice_in_dim(x, half, x.shape[axis], axis=axis))
 
 
-def _balanced_home(chunk: int, n: int) -> int:
-    return chunk if chunk < n else 2 * n - 1 - chunk
+def paired_order(n: int) -> tuple:
+    """Per device, its ring position in the paired layout: the x of its chunks (x, 2n-1-x)."""
+    return tuple(2 * r if 2 * r < n else 2 * n - 1 - 2 * r for r in range(n))
 
 
-def contiguous_to_balanced(x, axis_name: AxisName, n: int, *, axis: int):
-    """This device's part of a contiguously split sequence -> its load-balanced part."""
-    first, second = _halves(x, axis)  # chunks 2s (even) and 2s+1 (odd)
-    even = lax.ppermute(first, axis_name, [(s, _balanced_home(2 * s, n)) for s in range(n)])
-    odd = lax.ppermute(second, axis_name, [(s, _balanced_home(2 * s + 1, n)) for s in range(n)])
-    r_even = lax.axis_index(axis_name) % 2 == 0  # chunk r is even; chunk 2n-1-r is odd
-    return jnp.concatenate([jnp.where(r_even, even, odd), jnp.where(r_even, odd, even)],
-                           axis=axis)
+def _trade(outgoing: list, axis_name: AxisName, n: int) -> list:
+    """The arrays `outgoing` as the partner (device n-1-r) sent them, in one transfer."""
+    likes = [_shape_of(x) for x in outgoing]
+    partners = [(r, n - 1 - r) for r in range(n)]
+    return list(unpack(lax.ppermute(pack(outgoing), axis_name, partners), likes))
 
 
-def balanced_to_contiguous(x, axis_name: AxisName, n: int, *, axis: int):
-    """Inverse of contiguous_to_balanced."""
-    first, second = _halves(x, axis)  # chunks r and 2n-1-r
-    r_even = lax.axis_index(axis_name) % 2 == 0
-    even_chunk = [r if r % 2 == 0 else 2 * n - 1 - r for r in range(n)]
-    odd_chunk = [2 * n - 1 - r if r % 2 == 0 else r for r in range(n)]
-    even = lax.ppermute(jnp.where(r_even, first, second), axis_name,
-                        [(r, even_chunk[r] // 2) for r in range(n)])
-    odd = lax.ppermute(jnp.where(r_even, second, first), axis_name,
-                       [(r, odd_chunk[r] // 2) for r in range(n)])
-    return jnp.concatenate([even, odd], axis=axis)
+def _each_present(items, fn) -> list:
+    """fn over the arrays of `items` ((array or None, its sequence axis) pairs) together;
+    None stays None."""
+    present = [(x, axis) for x, axis in items if x is not None]
+    results = iter(fn(present) if present else [])
+    return [None if x is None else next(results) for x, _ in items]
+
+
+def to_paired(items, axis_name: AxisName, n: int) -> list:
+    """This device's contiguous parts of the arrays `items` -> its parts in the paired
+    layout."""
+    keeps_lower = 2 * lax.axis_index(axis_name) < n  # its chunk 2r is the lower of its pair
+
+    def move(present):
+        halves = [_halves(x, axis) for x, axis in present]
+        received = _trade([odd for _, odd in halves], axis_name, n)
+        return [jnp.where(keeps_lower, jnp.concatenate([even, got], axis=axis),
+                          jnp.concatenate([got, even], axis=axis))
+                for (even, _), got, (_, axis) in zip(halves, received, present)]
+    return _each_present(items, move)
+
+
+def from_paired(items, axis_name: AxisName, n: int) -> list:
+    """Inverse of to_paired."""
+    keeps_lower = 2 * lax.axis_index(axis_name) < n  # its chunk 2r is the lower of its pair
+
+    def move(present):
+        halves = [_halves(x, axis) for x, axis in present]
+        kept = [jnp.where(keeps_lower, lower, upper) for lower, upper in halves]
+        received = _trade([jnp.where(keeps_lower, upper, lower) for lower, upper in halves],
+                          axis_name, n)
+        return [jnp.concatenate([even, odd], axis=axis)
+                for even, odd, (_, axis) in zip(kept, received, present)]
+    return _each_present(items, move)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,8 +580,9 @@ class SequencePlan:
               "all_gather" K/V split like the queries, gathered whole on every device;
               "whole_kv"   K/V already whole on every device (no transfer).
     layout:   "load_balanced" when a causal mask would otherwise leave the last devices with
-              most of the work (the shards are then permuted into that layout and back,
-              a few transfers of half a shard each); else "contiguous".
+              most of the work (the shards then go into the paired layout and back, one
+              transfer of half a shard each way, the devices in paired_order on the ring);
+              else "contiguous".
     """
 
     def __init__(self, *, num_devices, tq, tk, heads_q, heads_kv, head_dim, value_dim,
@@ -570,6 +615,11 @@ class SequencePlan:
     @property
     def balanced(self) -> bool:
         return self.layout == LOAD_BALANCED
+
+    @property
+    def order(self) -> Order:
+        """The devices' ring positions (see paired_order), or None: their indices."""
+        return paired_order(self.num_devices) if self.balanced else None
 
     def __repr__(self):
         return f"SequencePlan(exchange={self.exchange!r}, layout={self.layout!r})"
@@ -643,11 +693,10 @@ def _to_plan_layout(plan: SequencePlan, axis_name: AxisName, queries, keys) -> t
 
     if not plan.balanced:
         return unchanged(queries), unchanged(keys)
-    to = functools.partial(contiguous_to_balanced, axis_name=axis_name, n=plan.num_devices)
-
-    def moved(items):
-        return [None if x is None else to(x, axis=axis) for x, axis in items]
-    return moved(queries), moved(keys) if plan.exchange == RING else unchanged(keys)
+    if plan.exchange != RING:
+        return to_paired(queries, axis_name, plan.num_devices), unchanged(keys)
+    moved = to_paired(queries + keys, axis_name, plan.num_devices)  # one transfer
+    return moved[:len(queries)], moved[len(queries):]
 
 
 def _gathered(axis_name: AxisName, *arrays) -> list:
@@ -665,16 +714,15 @@ def sequence_sharded_forward(fn, static: dict, plan: SequencePlan, axis_name: Ax
         plan, axis_name, [(q, 1), (q_segment_ids, 1)], [(k, 1), (v, 1), (kv_segment_ids, 1)])
     if plan.exchange == RING:
         o, lse = ring_forward(q, k, v, plan=plan.plan, axis_name=axis_name, attend=attend,
-                              q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+                              q_segment_ids=q_seg, kv_segment_ids=kv_seg, order=plan.order)
     else:
         if plan.exchange == ALL_GATHER:
             k, v, kv_seg = _gathered(axis_name, k, v, kv_seg)
         o, lse = whole_keys_forward(q, k, v, step=plan.plan, axis_name=axis_name,
-                                    attend=attend, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+                                    attend=attend, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                                    order=plan.order)
     if plan.balanced:
-        back = functools.partial(balanced_to_contiguous, axis_name=axis_name,
-                                 n=plan.num_devices)
-        o, lse = back(o, axis=1), back(lse, axis=2)
+        o, lse = from_paired([(o, 1), (lse, 2)], axis_name, plan.num_devices)
     return o, lse
 
 
@@ -689,14 +737,15 @@ def sequence_sharded_backward(fn, static: dict, plan: SequencePlan, axis_name: A
     segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     if plan.exchange == RING:
         dq, dk, dv = ring_backward(q, k, v, o, lse, do, dlse, plan=plan.plan,
-                                   axis_name=axis_name, attend_bwd=attend_bwd, **segments)
+                                   axis_name=axis_name, attend_bwd=attend_bwd,
+                                   order=plan.order, **segments)
     else:
         k_local, v_local = k, v
         if plan.exchange == ALL_GATHER:
             k, v, segments["kv_segment_ids"] = _gathered(axis_name, k, v, kv_seg)
         dq, gk, gv = whole_keys_backward(q, k, v, o, lse, do, dlse, step=plan.plan,
                                          axis_name=axis_name, attend_bwd=attend_bwd,
-                                         **segments)
+                                         order=plan.order, **segments)
         if plan.exchange == ALL_GATHER:  # each device's share of every key, summed at home
             gk, gv = (lax.psum_scatter(g, axis_name, scatter_dimension=1, tiled=True)
                       for g in (gk, gv))
@@ -704,11 +753,10 @@ def sequence_sharded_backward(fn, static: dict, plan: SequencePlan, axis_name: A
             gk, gv = lax.psum((gk, gv), axis_name)
         dk, dv = gk.astype(k_local.dtype), gv.astype(v_local.dtype)
     if plan.balanced:
-        back = functools.partial(balanced_to_contiguous, axis_name=axis_name,
-                                 n=plan.num_devices)
-        dq = back(dq, axis=1)
         if plan.exchange == RING:
-            dk, dv = back(dk, axis=1), back(dv, axis=1)
+            dq, dk, dv = from_paired([(dq, 1), (dk, 1), (dv, 1)], axis_name, plan.num_devices)
+        else:
+            dq, = from_paired([(dq, 1)], axis_name, plan.num_devices)
     return dq, dk, dv
 
 
