@@ -418,25 +418,28 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
                   kv_segment_ids=None, neighbour_keys=None, order: Order = None):
     """(dq, dk, dv) in the dtypes of q, k, v, for the global o, lse of this device's queries
     and the cotangents do (and dlse, or None). neighbour_keys: the payload ring_forward kept
-    (keep_neighbour_keys), which spares the first transfer; else it is sent again (a transfer
-    that nothing can overlap: the first step waits for it).
+    (keep_neighbour_keys), which spares the first transfer; else it is sent again.
 
     The keys go around the ring again; the dK/dV partial sums (float32, one transfer per
-    step) travel with their block, each device adding its share. The steps with other
-    devices' keys run first and the device's own block last: the partial sums of the own
-    block then come home during its computation."""
+    step) travel with their block, each device adding its share. With the neighbour keys
+    kept, the steps with other devices' keys run first and the device's own block last: the
+    partial sums of the own block then come home during its computation. Without them, the
+    own block runs first, while the neighbour keys travel, and the sums' last hop is
+    awaited at the end."""
     n, steps = plan.num_devices, len(plan.steps)
     own = _with_segments(k, v, kv_segment_ids)
+    own_first = steps > 1 and neighbour_keys is None
     if steps > 1:
-        # Step 1's keys: the previous device's, kept by the forward or sent now.
-        kv_words = (send(pack(own), axis_name, n, order=order) if neighbour_keys is None
-                    else neighbour_keys)
-        # Tied to the forward's result and the cotangent, the next transfer (step 2's keys)
-        # belongs to the backward: its operand is ready early, and a scheduler that moves it
-        # into the forward makes one of the forward's own transfers wait for it, with nothing
-        # to overlap (the cotangent alone does not hold it back where the cotangent is an
-        # input of the program rather than computed from o).
-        kv_words, (do, o) = _after(kv_words, (do, o))
+        # Tied to the forward's result and the cotangent, the backward's transfers belong to
+        # the backward: their operands are ready early, and a scheduler that moves one into
+        # the forward makes one of the forward's own transfers wait for it, with nothing to
+        # overlap (the cotangent alone does not hold it back where the cotangent is an input
+        # of the program rather than computed from o).
+        if neighbour_keys is None:  # step 1's keys: the previous device's, sent now
+            payload, (do, o) = _after(pack(own), (do, o))
+            kv_words = send(payload, axis_name, n, order=order)
+        else:  # ... or kept by the forward; the next transfer (step 2's keys) is tied
+            kv_words, (do, o) = _after(neighbour_keys, (do, o))
     # The query-side arrays in each row order the steps count in (the swapped copies made
     # once), dq in the swapped one where there is one (see ring_forward).
     swapped = plan.rows_swapped
@@ -447,6 +450,10 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
         return functools.partial(_backward_blocks, attend_bwd, saved[step.rows_swapped],
                                  step.rows_swapped != swapped)
     dq = jnp.zeros_like(q, jnp.float32)
+    own_grads = None  # the own block's dk, dv
+    if own_first:
+        dq, own_grads = _run_step(plan.steps[0], axis_name, branch(plan.steps[0]), own, dq,
+                                  order=order)
     kv_likes = tuple(map(_shape_of, own))
     sum_likes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (k, v))
     home = None  # the other devices' share of this device's dk, dv
@@ -471,15 +478,14 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
             if not last:
                 kv_words = received[:kv_count]
                 kv = unpack(kv_words, kv_likes)
-        # The partial sums of the last block go home (device r - (steps - 1) -> shift back)
-        # while the device computes its own block.
+        # The partial sums of the last block go home (device r - (steps - 1) -> shift back),
+        # while the device computes its own block if it has not yet.
         home = unpack(send(pack(finished), axis_name, n, shift=-(steps - 1), order=order),
                       sum_likes)
-    if plan.steps:
-        dq, (dk, dv) = _run_step(plan.steps[0], axis_name, branch(plan.steps[0]), own, dq,
-                                 order=order)
-    else:
-        dk, dv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
+    if plan.steps and own_grads is None:
+        dq, own_grads = _run_step(plan.steps[0], axis_name, branch(plan.steps[0]), own, dq,
+                                  order=order)
+    dk, dv = own_grads or (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
     if home is not None:
         dk, dv = dk + home[0], dv + home[1]
     if swapped:
