@@ -222,24 +222,27 @@ def _outcome(contender: Contender, config_dict: dict, status: str, reason: str =
 
 
 def run_one(contender: Contender, config: Any, config_dict: dict, *, reps: int,
-            verbose_errors: bool = False) -> Outcome:
+            verbose_errors: bool = False, min_rep_seconds: float = 0.02) -> Outcome:
     """Prepare and time one contender on one configuration; never raises (except on Ctrl-C)."""
-    return run_interleaved([contender], config, config_dict, reps=reps, verbose_errors=verbose_errors)[0]
+    return run_interleaved([contender], config, config_dict, reps=reps, verbose_errors=verbose_errors,
+                           min_rep_seconds=min_rep_seconds)[0]
 
 
 def run_interleaved(contenders: list[Contender], config: Any, config_dict: dict, *, reps: int,
-                    verbose_errors: bool = False, settle_seconds: float = 0.0) -> list[Outcome]:
+                    verbose_errors: bool = False, settle_seconds: float = 0.0,
+                    min_rep_seconds: float = 0.02) -> list[Outcome]:
     """Every contender on one configuration, prepared first and then timed in turns after
     `settle_seconds` of unrecorded turns (timing.measure_interleaved), so that all of them run
-    in the same state of the card's clocks and power. One outcome per contender, in order;
-    never raises (except on Ctrl-C)."""
+    in the same state of the card's clocks and power; each sample about `min_rep_seconds`
+    long. One outcome per contender, in order; never raises (except on Ctrl-C)."""
     prepared = [prepare_runner(c, config, verbose_errors) for c in contenders]
     runners = [p for p in prepared if isinstance(p, Runner)]
     failures = [None if isinstance(p, Runner) else p for p in prepared]
     infos = iter([r.info for r in runners])
     del prepared  # the runners list holds the only references, for _release
     try:
-        timings = iter(measure_interleaved(runners, reps=reps, settle_seconds=settle_seconds))
+        timings = iter(measure_interleaved(runners, reps=reps, settle_seconds=settle_seconds,
+                                           min_rep_seconds=min_rep_seconds))
     finally:
         _release(runners)
     outcomes = []
