@@ -17,13 +17,13 @@ trip that drains the queue. Where the plan marks a step as one call by lengths (
 device's work one unmasked rectangle from local row 0 and key 0: the load-balanced causal
 ring beyond its diagonal, with the queries' two chunks swapped), every device makes the same
 call and its own rectangle reaches the kernels as q_seq_lengths / kv_seq_lengths, looked up
-in the plan's static table by lax.axis_index: device arrays, no branch. The kernels skip the
-rows and keys past the lengths; those rows come back o = 0, lse = -inf (a no-op in merge) and
-zero gradients. The queries' swapped copy is made once per forward (q) and once per backward
-(q, o, lse, do, dlse); the accumulators (o, lse; dq) are kept in the swapped order, so only
-the diagonal step's result changes order, where it is written or added, and the result once,
-where it is cast. TK_JAX_RING_STEPS=switch plans every such step as a switch again, for
-comparing the two (the GPU measurement of that comparison is still to be made).
+in the plan's static table by the device's ring position: device arrays, no branch. The
+kernels skip the rows and keys past the lengths; those rows come back o = 0, lse = -inf (a
+no-op in merge) and zero gradients. The queries' swapped copy is made once per forward (q)
+and once per backward (q, o, lse, do, dlse); the accumulators (o, lse; dq) are kept in the
+swapped order, so only the diagonal step's result changes order, where it is written or
+added, and the result once, where it is cast. TK_JAX_RING_STEPS=switch plans every such
+step as a switch again, for comparing the two (docs/DESIGN.md has the measurement).
 
 Overlap. The ring is unrolled (a Python loop, not a scan), so every transfer is its own pair of
 collective-permute-start/done in one straight-line program: the next block's transfer is
@@ -35,7 +35,9 @@ the block the receiver holds now: both are ready when the step starts. The recei
 K/V part only for its next step and the partial sums only after its own kernels of this step
 (they are added outside the step: a switch whose operands included them would wait for the
 transfer). The device's own block is computed last in the backward, so that the last hop
-(the partial sums going home) overlaps it.
+(the partial sums going home) overlaps it, unless the backward has to send its first keys
+itself (see ring_backward). Each transfer is tied to the result of the step before the one it
+overlaps (see _after), so that XLA cannot run it early, where it would hold up another.
 """
 from __future__ import annotations
 
