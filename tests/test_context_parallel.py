@@ -556,6 +556,9 @@ SEQUENCE_CASES = {
                     None),
     "causal GQA, n=8": ((8,), ("seq",), P(None, "seq"), P(None, "seq"), 4, 2, "causal", 32, 32,
                         None),
+    # odd n: the middle device of the paired layout is its own partner
+    "causal, n=3": ((3,), ("seq",), P(None, "seq"), P(None, "seq"), 2, 2, "causal", 24, 24,
+                    None),
     "window, n=4": ((4,), ("seq",), P(None, "seq"), P(None, "seq"), 2, 2, (3, 0), 16, 16,
                     None),
     "batch x sequence, lse": ((2, 4), ("data", "seq"), P("data", "seq"), P("data", "seq"), 2,
