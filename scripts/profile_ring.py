@@ -13,6 +13,7 @@ default and with XLA's latency-hiding scheduler:
 
     python3 scripts/profile_ring.py --t 64k            # 4 GPUs: about 2 minutes
     python3 scripts/profile_ring.py --t 64k --programs ring --schedulers lhs --timeline 200
+    python3 scripts/profile_ring.py --t 64k --programs ring --queued 6   # + steady state
 
 On a CPU with host devices (XLA_FLAGS=--xla_force_host_platform_device_count=4) it runs with
 --backend reference as a smoke test (no device trace there).
@@ -209,13 +210,14 @@ def _classify(name: str, stats: dict) -> str:
     return "compute"
 
 
-def trace_one_call(call) -> list:
-    """Device events of one call: (device plane, stream, name, kind, start_us, duration_us)."""
+def trace_one_call(call, calls: int = 1) -> list:
+    """Device events of `calls` calls queued back to back (one by default): (device plane,
+    stream, name, kind, start_us, duration_us)."""
     from jax._src.lib import _profiler
     from jax.profiler import ProfileData
 
     session = _profiler.ProfilerSession(_profiler.ProfileOptions())
-    jax.block_until_ready(call())
+    jax.block_until_ready([call() for _ in range(calls)])
     data = ProfileData.from_serialized_xspace(session.stop())
     events = []
     for plane in data.planes:
@@ -233,6 +235,22 @@ def trace_one_call(call) -> list:
                 events.append((plane.name, line.name, e.name, _classify(e.name, stats),
                                e.start_ns / 1e3, e.duration_ns / 1e3))
     return events
+
+
+def describe_queued(events, calls: int, min_gap_us: float = 50.0) -> list[str]:
+    """Steady state: per device, the span of `calls` queued calls over their count, and the
+    idle gaps of at least `min_gap_us` between kernels (where the device waited: for the host,
+    a peer or a transfer)."""
+    if not events:
+        return ["  no device events in the trace"]
+    out = [f"  {calls} queued calls, per device: span / call (ms), idle gaps >= "
+           f"{min_gap_us:.0f} us (count, total ms)"]
+    for plane in sorted({e[0] for e in events}):
+        busy = _union([(s, s + d) for p, _, _, _, s, d in events if p == plane])
+        gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_gap_us]
+        span = busy[-1][1] - busy[0][0]
+        out.append(f"  {plane}: {span / calls / 1e3:.2f} | {len(gaps)}, {sum(gaps) / 1e3:.2f}")
+    return out
 
 
 def describe_trace(events, timeline_lines: int) -> list[str]:
@@ -294,6 +312,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--timeline", type=int, default=80, help="timeline lines per run")
     parser.add_argument("--hlo-out", help="also write each compiled HLO text to this folder")
+    parser.add_argument("--queued", type=int, default=0,
+                        help="also trace this many calls queued back to back (steady state)")
     args = parser.parse_args()
 
     devices = jax.devices()
@@ -326,6 +346,9 @@ def main() -> int:
                 print(f"  fwd+bwd: median {statistics.median(times):.2f} ms "
                       f"(min {min(times):.2f}, {args.reps} calls)")
                 print("\n".join(describe_trace(trace_one_call(call), args.timeline)), flush=True)
+                if args.queued:
+                    events = trace_one_call(call, args.queued)
+                    print("\n".join(describe_queued(events, args.queued)), flush=True)
     return 0
 
 

@@ -835,3 +835,7 @@ def test_profile_ring_reads_a_schedule_and_a_trace():
               ("/device:GPU:0", "Stream #2", "ncclDevKernel_SendRecv", "comm", 10.0, 20.0)]
     text = "\n".join(profile_ring.describe_trace(events, timeline_lines=10))
     assert "0.04 | 0.02 | 0.01 (75%)" in text, text
+    # Two queued calls busy 0..40 and 100..140 us: 0.07 ms a call, one 60 us gap.
+    queued = events + [("/device:GPU:0", "Stream #1", "tk_attention", "compute", 100.0, 40.0)]
+    text = "\n".join(profile_ring.describe_queued(queued, calls=2))
+    assert "/device:GPU:0: 0.07 | 1, 0.06" in text, text
