@@ -603,6 +603,12 @@ def test_sequence_sharded_flash_attention_matches_oracle(dense, rng, monkeypatch
         assert found <= {"all-gather", "reduce-scatter", "collective-permute"}
     else:
         assert found == {"collective-permute"}
+    if mask == "causal" and exchange is None and kv_spec != P() and tq == tk:
+        # The paired layout: one transfer into it and one back, in each pass; the ring: n-1
+        # forward, n+1 backward (the first keys again, and the sums' hop home).
+        n = mesh.shape["seq"]
+        permutes = hlo.count("collective-permute(") + hlo.count("collective-permute-start(")
+        assert permutes == 2 + (n - 1) + 2 + (n + 1), permutes
     out, grads = compiled(*args)
     o = out[0] if with_lse else out
     assert o.sharding.is_equivalent_to(NamedSharding(mesh, q_spec), o.ndim)
