@@ -2,6 +2,7 @@
 makes the kernels or fails saying why (a reference-only install happens only when asked for);
 a build made where nvcc exists holds the kernels, built against FFI headers no newer than the
 jaxlib in use."""
+import functools
 import os
 import re
 import shutil
@@ -74,6 +75,7 @@ def test_extension_was_built_with_kernels_for_this_jaxlib():
     assert {"tk_attention_fwd", "tk_attention_bwd"} <= set(_tk.registrations())
 
 
+@functools.cache
 def _cmake() -> str | None:
     """A cmake as new as the build asks for (pyproject's cmake.version): the one the test
     extra installs (the cmake package), else the one on PATH; None if neither is."""

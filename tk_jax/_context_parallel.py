@@ -451,11 +451,13 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
     def branch(step):
         return functools.partial(_backward_blocks, attend_bwd, saved[step.rows_swapped],
                                  step.rows_swapped != swapped)
+    def own_block(dq):  # -> (dq, the own block's dk, dv)
+        return _run_step(plan.steps[0], axis_name, branch(plan.steps[0]), own, dq, order=order)
+
     dq = jnp.zeros_like(q, jnp.float32)
-    own_grads = None  # the own block's dk, dv
+    own_grads = None
     if own_first:
-        dq, own_grads = _run_step(plan.steps[0], axis_name, branch(plan.steps[0]), own, dq,
-                                  order=order)
+        dq, own_grads = own_block(dq)
     kv_likes = tuple(map(_shape_of, own))
     sum_likes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (k, v))
     home = None  # the other devices' share of this device's dk, dv
@@ -485,9 +487,10 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
         home = unpack(send(pack(finished), axis_name, n, shift=-(steps - 1), order=order),
                       sum_likes)
     if plan.steps and own_grads is None:
-        dq, own_grads = _run_step(plan.steps[0], axis_name, branch(plan.steps[0]), own, dq,
-                                  order=order)
-    dk, dv = own_grads or (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
+        dq, own_grads = own_block(dq)
+    if own_grads is None:  # no step at all
+        own_grads = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
+    dk, dv = own_grads
     if home is not None:
         dk, dv = dk + home[0], dv + home[1]
     if swapped:
