@@ -17,6 +17,9 @@ namespace nb = nanobind;
 
 extern "C" XLA_FFI_Error* tk_attention_fwd(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* tk_attention_bwd(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* tk_attention_bwd_row_stats(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* tk_attention_bwd_keys(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* tk_attention_bwd_dq(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* tk_based_fwd(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* tk_based_bwd(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* tk_based_decode(XLA_FFI_CallFrame* call_frame);
@@ -62,6 +65,9 @@ NB_MODULE(_tk, m) {
     nb::dict targets;
     targets["tk_attention_fwd"] = handler_capsule(tk_attention_fwd);
     targets["tk_attention_bwd"] = handler_capsule(tk_attention_bwd);
+    targets["tk_attention_bwd_row_stats"] = handler_capsule(tk_attention_bwd_row_stats);
+    targets["tk_attention_bwd_keys"] = handler_capsule(tk_attention_bwd_keys);
+    targets["tk_attention_bwd_dq"] = handler_capsule(tk_attention_bwd_dq);
     targets["tk_based_fwd"] = handler_capsule(tk_based_fwd);
     targets["tk_based_bwd"] = handler_capsule(tk_based_bwd);
     targets["tk_based_decode"] = handler_capsule(tk_based_decode);
@@ -71,9 +77,12 @@ NB_MODULE(_tk, m) {
   nb::list head_dims;
   for (int d : tk::attention::HEAD_DIMS) head_dims.append(d);
   m.attr("attention_head_dims") = nb::tuple(head_dims);
-  m.def("attention_backward_workspace_bytes", &tk::attention::backward_workspace_bytes, nb::arg("batch"),
-        nb::arg("heads_q"), nb::arg("heads_kv"), nb::arg("seq_q"), nb::arg("seq_k"), nb::arg("head_dim"),
-        "Bytes of the workspace output of tk_attention_bwd (linear in batch).");
+  m.def("attention_backward_dq_state_bytes", &tk::attention::backward_dq_state_bytes, nb::arg("batch"),
+        nb::arg("heads_q"), nb::arg("dq_rows"), nb::arg("head_dim"),
+        "Bytes of the dQ state of the attention backward (its workspace output; linear in batch).");
+  m.def("attention_backward_key_workspace_bytes", &tk::attention::backward_key_workspace_bytes, nb::arg("batch"),
+        nb::arg("heads_q"), nb::arg("heads_kv"), nb::arg("seq_k"), nb::arg("head_dim"),
+        "Bytes of the key workspace output of tk_attention_bwd and tk_attention_bwd_keys (linear in batch).");
   m.def("attention_mask_workspace_bytes", &tk::attention::mask_workspace_bytes, nb::arg("batch"), nb::arg("seq_q"),
         nb::arg("seq_k"), nb::arg("segment_ids"),
         "Bytes of the mask workspace output of tk_attention_fwd and tk_attention_bwd (linear in batch).");

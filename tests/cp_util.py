@@ -86,11 +86,70 @@ def dense_attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale, window_left, w
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+# The three-call backward (the kernels' dQ state). The stand-in's state is its own, one float32
+# vector like the kernels': dq [B, T, Hq, D], lse [B, Hq, T] and rowsum(do o o) - dlse
+# [B, Hq, T], flattened one after the other.
+
+
+def _state_parts(state, batch, rows, heads, head_dim):
+    sizes = np.cumsum([batch * rows * heads * head_dim, batch * heads * rows])
+    dq, lse, delta = jnp.split(state, sizes)
+    return (dq.reshape(batch, rows, heads, head_dim), lse.reshape(batch, heads, rows),
+            delta.reshape(batch, heads, rows))
+
+
+def dense_attention_bwd_row_stats(o, lse, do, dlse=None, *, scale):
+    delta = jnp.einsum("bqhe,bqhe->bhq", do.astype(jnp.float32), o.astype(jnp.float32),
+                       precision=_HIGHEST)
+    if dlse is not None:
+        delta = delta - dlse.astype(jnp.float32)
+    parts = (jnp.zeros_like(o, jnp.float32), lse.astype(jnp.float32), delta)
+    return jnp.concatenate([x.reshape(-1) for x in parts])
+
+
+def _rotate_rows(x, shift, axis):
+    """x with row (i + shift) mod T moved to row i (a static shift)."""
+    return jnp.concatenate([jax.lax.slice_in_dim(x, shift, x.shape[axis], axis=axis),
+                            jax.lax.slice_in_dim(x, 0, shift, axis=axis)], axis=axis)
+
+
+def dense_attention_bwd_keys(state, q, k, v, do, *, dq_rows, dq_row_shift, scale, window_left,
+                             window_right, **masks):
+    b, tq, hq, d = q.shape
+    assert tq % 64 == 0 and dq_row_shift % 64 == 0 and tq <= dq_rows, (tq, dq_row_shift)
+    dq_acc, lse, delta = _state_parts(state, b, dq_rows, hq, d)
+    hkv = k.shape[2]
+    g = hq // hkv
+    lse_rows = _rotate_rows(lse, dq_row_shift, 2)[..., :tq]
+    delta_rows = _rotate_rows(delta, dq_row_shift, 2)[..., :tq]
+    s, qg = _scores(q, k, scale, window_left, window_right, **masks)
+    p = _probabilities(s, lse_rows.reshape(b, hkv, g, tq))
+    dog = do.astype(jnp.float32).reshape(b, tq, hkv, g, -1)
+    dv = jnp.einsum("bhgqk,bqhge->bkhe", p, dog, precision=_HIGHEST)
+    dp = jnp.einsum("bqhge,bkhe->bhgqk", dog, v.astype(jnp.float32), precision=_HIGHEST)
+    ds = p * (dp - delta_rows.reshape(b, hkv, g, tq)[..., None])
+    dq = scale * jnp.einsum("bhgqk,bkhd->bqhgd", ds, k.astype(jnp.float32), precision=_HIGHEST)
+    dk = scale * jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg, precision=_HIGHEST)
+    rotated = _rotate_rows(dq_acc, dq_row_shift, 1)
+    rotated = jnp.concatenate([rotated[:, :tq] + dq.reshape(q.shape), rotated[:, tq:]], axis=1)
+    dq_acc = _rotate_rows(rotated, (dq_rows - dq_row_shift) % dq_rows, 1)
+    state = jnp.concatenate([x.reshape(-1) for x in (dq_acc, lse, delta)])
+    return state, dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def dense_attention_bwd_dq(state, like):
+    b, t, h, d = like.shape
+    return _state_parts(state, b, t, h, d)[0].astype(like.dtype)
+
+
 def dense_kernels_module(real_kernels) -> types.ModuleType:
     """A stand-in for tk_jax._kernels with the dense attention kernels."""
     module = types.ModuleType("tk_jax._kernels")
     module.attention_fwd = dense_attention_fwd
     module.attention_bwd = dense_attention_bwd
+    module.attention_bwd_row_stats = dense_attention_bwd_row_stats
+    module.attention_bwd_keys = dense_attention_bwd_keys
+    module.attention_bwd_dq = dense_attention_bwd_dq
     module.attention_kernel_unsupported = lambda q, k, v: None
     module.based_kernel_unsupported = lambda *arrays: "the dense stand-in has no Based kernel"
     module.based_decode_unsupported = lambda *arrays: "the dense stand-in has no Based kernel"

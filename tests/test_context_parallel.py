@@ -345,6 +345,39 @@ def test_ring_attention_matches_oracle(dense, rng, case):
     assert_matches_oracle(result, q, k, v, do, window=window_of(mask))
 
 
+@pytest.mark.parametrize("local, whole_tiles", [(128, True), (96, False)],
+                         ids=["whole tiles", "half tiles"])
+def test_ring_backward_sums_dq_in_the_kernels_state_where_blocks_are_whole_tiles(
+        dense, rng, monkeypatch, local, whole_tiles):
+    """With every block's rows whole 64-row tiles (chunks of 64 here), the backward adds each
+    block's dq into the kernels' dQ state (row statistics once, dq out once) and never calls
+    the one-block backward; with chunks of 48 it sums the blocks' dq itself."""
+    n = 4
+    t = n * local
+    q, k, v, do = random_arrays(rng, (1, t, 2, 8), (1, t, 1, 8), (1, t, 1, 8), (1, t, 2, 8))
+    fake = _context_parallel_kernels()
+    calls = {"keys": 0, "bwd": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+    monkeypatch.setattr(fake, "attention_bwd_keys", counted("keys", fake.attention_bwd_keys))
+    monkeypatch.setattr(fake, "attention_bwd", counted("bwd", fake.attention_bwd))
+    run = outputs_and_grads(ring(mesh_of((n,), ("seq",)), "seq", backend=dense,
+                                 load_balanced=True, causal=True))
+    result = in_layout(jax.jit(run), True, n, q, k, v, do)
+    assert_matches_oracle(result, q, k, v, do, window=(-1, 0))
+    assert (calls["keys"] > 0, calls["bwd"] == 0) == (whole_tiles, whole_tiles), calls
+
+
+def _context_parallel_kernels():
+    """The kernels module the executors call now (the stand-in, under the dense fixture)."""
+    import tk_jax.attention
+    return tk_jax.attention._kernels
+
+
 def _sub_jaxprs(eqn):
     for value in eqn.params.values():
         for sub in (value if isinstance(value, (tuple, list)) else (value,)):
@@ -568,6 +601,11 @@ SEQUENCE_CASES = {
     "K/V whole, n=4": ((4,), ("seq",), P(None, "seq"), P(), 2, 1, "causal", 16, 16, None),
     "Tq != Tk, n=4": ((4,), ("seq",), P(None, "seq"), P(None, "seq"), 2, 2, "causal", 8, 16,
                       None),
+    # chunks of whole 64-row tiles: dq summed in the kernels' state (row shifts included)
+    "causal, whole tiles, n=4, lse": ((4,), ("seq",), P(None, "seq"), P(None, "seq"), 2, 1,
+                                      "causal", 512, 512, None),
+    "causal, whole tiles, all-gather, n=4": ((4,), ("seq",), P(None, "seq"), P(None, "seq"), 2,
+                                             1, "causal", 512, 512, "all_gather"),
 }
 
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Hashable
+from typing import Callable, Hashable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,23 @@ BlockForward = Callable
 # attend_bwd(q, k, v, o, lse, do, dlse or None, window_left, window_right, **masks)
 # -> (dq, dk, dv).
 BlockBackward = Callable
+
+
+class DqStateCalls(NamedTuple):
+    """The kernels' backward in three calls (tk_jax/_kernels.py), which sum dQ over several
+    blocks in the kernels' own float32 state rather than returning each block's dq: the row
+    statistics are computed once, dQ is zeroed once and converted once, and no block's dq is
+    added outside the kernels.
+
+    row_stats(o, lse, do, dlse or None) -> state, for all of the device's rows;
+    keys(state, q, k, v, do, *, dq_rows, dq_row_shift, window_left, window_right, **masks)
+        -> (state, dk, dv): one block, its query row i being row (i + dq_row_shift) mod dq_rows
+        of the state (whole 64-row tiles only);
+    dq(state, like) -> dq shaped and typed like `like`."""
+
+    row_stats: Callable
+    keys: Callable
+    dq: Callable
 
 RING, ALL_GATHER, WHOLE_KV = "ring", "all_gather", "whole_kv"
 EXCHANGE_ENV = "TK_JAX_CONTEXT_PARALLEL"  # "ring" | "all_gather" | unset ("auto")
@@ -387,25 +404,92 @@ def whole_keys_forward(q, k, v, *, step: plans.Step, axis_name: AxisName,
 # dq, dk and dv (the gradient is a sum over blocks).
 
 
-def _backward_blocks(attend_bwd: BlockBackward, saved, moved: bool, blocks, kv, dq,
-                     lengths=None):
-    """This device's blocks against the keys `kv` = (k, v[, kv_segment_ids]): dq (float32,
-    local) accumulated, and the block's dk, dv contributions returned as float32 arrays
-    shaped like k, v (zero where none). `saved` counts the rows in the step's order; `moved`:
-    dq counts them with the halves exchanged (see _accumulator_rows)."""
-    q, o, lse, do, dlse, q_segment_ids = saved
+# The backward sums each device's dq over its blocks in one of two ways, behind one interface
+# (start, add, finish): in a float32 array here, from block calls that return their dq
+# (_DqInFloat32), or in the kernels' dQ state (_DqInKernelState).
+_TILE = 64  # query rows of the kernels' dQ tiles: a block's rows must be whole tiles of the state
+
+
+class _DqInFloat32:
+    """dq (float32, local rows in the accumulator's order) summed here from attend_bwd's."""
+
+    def __init__(self, attend_bwd: BlockBackward):
+        self.attend_bwd = attend_bwd
+
+    def start(self, q, o, lse, do, dlse):
+        return jnp.zeros_like(q, jnp.float32)
+
+    def add(self, dq, b: plans.Block, moved: bool, saved, kv, masks: dict):
+        q, o, lse, do, dlse, _ = saved
+        rows, keys = slice(b.q_start, b.q_stop), slice(b.k_start, b.k_stop)
+        dq_b, dk_b, dv_b = self.attend_bwd(
+            q[:, rows], kv[0][:, keys], kv[1][:, keys], o[:, rows], lse[..., rows], do[:, rows],
+            None if dlse is None else dlse[..., rows], b.window_left, b.window_right, **masks)
+        for part, target in _accumulator_rows(b.q_start, b.q_stop, q.shape[1], moved):
+            dq = replace_rows(dq, target, dq[:, target] + dq_b[:, part].astype(jnp.float32),
+                              axis=1)
+        return dq, dk_b, dv_b
+
+    def finish(self, dq, like):
+        return dq.astype(like.dtype)
+
+
+class _DqInKernelState:
+    """dq summed in the kernels' dQ state (DqStateCalls): a block's rows, counted in the step's
+    order, sit in the state's (the accumulator's) order moved by half the rows if `moved`,
+    which with whole tiles is a rotation of the state's rows."""
+
+    def __init__(self, calls: DqStateCalls):
+        self.calls = calls
+
+    @staticmethod
+    def fits(plan: plans.RingPlan | None, steps, length: int) -> bool:
+        """Whether every block of `steps` is whole tiles of a state of `length` rows, moved by
+        whole tiles."""
+        def whole(*rows):
+            return all(r % _TILE == 0 for r in rows)
+        swapped = plan is not None and plan.rows_swapped
+        return whole(length) and all(
+            whole(b.q_start, b.q_stop) and (step.rows_swapped == swapped or whole(length // 2))
+            for step in steps for blocks in step.branches for b in blocks)
+
+    def start(self, q, o, lse, do, dlse):
+        return self.calls.row_stats(o, lse, do, dlse)
+
+    def add(self, state, b: plans.Block, moved: bool, saved, kv, masks: dict):
+        q, _, _, do, _, _ = saved
+        length = q.shape[1]
+        rows, keys = slice(b.q_start, b.q_stop), slice(b.k_start, b.k_stop)
+        shift = (b.q_start + (length // 2 if moved else 0)) % length
+        return self.calls.keys(state, q[:, rows], kv[0][:, keys], kv[1][:, keys], do[:, rows],
+                               dq_rows=length, dq_row_shift=shift,
+                               window_left=b.window_left, window_right=b.window_right, **masks)
+
+    def finish(self, state, like):
+        return self.calls.dq(state, like)
+
+
+def _dq_sum(attend_bwd: BlockBackward, dq_state: DqStateCalls | None, plan, steps, length):
+    """How a backward of these steps sums dq: in the kernels' state where given and where the
+    blocks fit its tiles, else here in float32."""
+    if dq_state is not None and _DqInKernelState.fits(plan, steps, length):
+        return _DqInKernelState(dq_state)
+    return _DqInFloat32(attend_bwd)
+
+
+def _backward_blocks(dq_sum, saved, moved: bool, blocks, kv, dq, lengths=None):
+    """This device's blocks against the keys `kv` = (k, v[, kv_segment_ids]): dq (dq_sum's
+    state) with the blocks' share added, and the blocks' dk, dv contributions returned as
+    float32 arrays shaped like k, v (zero where none). `saved` counts the rows in the step's
+    order; `moved`: dq counts them with the halves exchanged (see _accumulator_rows)."""
+    q, q_segment_ids = saved[0], saved[5]
     k, v = kv[:2]
     gk, gv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
     unwritten = np.ones(k.shape[1], bool)  # key rows no block has written yet: no add needed
     for b in blocks:
         rows, keys = slice(b.q_start, b.q_stop), slice(b.k_start, b.k_stop)
-        dq_b, dk_b, dv_b = attend_bwd(
-            q[:, rows], k[:, keys], v[:, keys], o[:, rows], lse[..., rows], do[:, rows],
-            None if dlse is None else dlse[..., rows], b.window_left, b.window_right,
-            **_segments(q_segment_ids, kv, rows, keys), **_length_masks(lengths, q.shape[0]))
-        for part, target in _accumulator_rows(b.q_start, b.q_stop, q.shape[1], moved):
-            dq = replace_rows(dq, target, dq[:, target] + dq_b[:, part].astype(jnp.float32),
-                              axis=1)
+        masks = {**_segments(q_segment_ids, kv, rows, keys), **_length_masks(lengths, q.shape[0])}
+        dq, dk_b, dv_b = dq_sum.add(dq, b, moved, saved, kv, masks)
         fresh = unwritten[keys].all()
         unwritten[keys] = False
         gk = replace_rows(gk, keys, dk_b.astype(jnp.float32) if fresh else
@@ -416,11 +500,14 @@ def _backward_blocks(attend_bwd: BlockBackward, saved, moved: bool, blocks, kv, 
 
 
 def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
-                  axis_name: AxisName, attend_bwd: BlockBackward, q_segment_ids=None,
+                  axis_name: AxisName, attend_bwd: BlockBackward,
+                  dq_state: DqStateCalls | None = None, q_segment_ids=None,
                   kv_segment_ids=None, neighbour_keys=None, order: Order = None):
     """(dq, dk, dv) in the dtypes of q, k, v, for the global o, lse of this device's queries
     and the cotangents do (and dlse, or None). neighbour_keys: the payload ring_forward kept
-    (keep_neighbour_keys), which spares the first transfer; else it is sent again.
+    (keep_neighbour_keys), which spares the first transfer; else it is sent again. dq_state:
+    the kernels' three calls, which sum dq over the steps in their own state where the blocks
+    are whole tiles (else attend_bwd's dq are summed here).
 
     The keys go around the ring again; the dK/dV partial sums (float32, one transfer per
     step) travel with their block, each device adding its share. With the neighbour keys
@@ -447,14 +534,15 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
     swapped = plan.rows_swapped
     saved = _in_row_orders(plan, [(q, 1), (o, 1), (lse, 2), (do, 1), (dlse, 2),
                                   (q_segment_ids, 1)])
+    dq_sum = _dq_sum(attend_bwd, dq_state, plan, plan.steps, q.shape[1])
 
     def branch(step):
-        return functools.partial(_backward_blocks, attend_bwd, saved[step.rows_swapped],
+        return functools.partial(_backward_blocks, dq_sum, saved[step.rows_swapped],
                                  step.rows_swapped != swapped)
     def own_block(dq):  # -> (dq, the own block's dk, dv)
         return _run_step(plan.steps[0], axis_name, branch(plan.steps[0]), own, dq, order=order)
 
-    dq = jnp.zeros_like(q, jnp.float32)
+    dq = dq_sum.start(*saved[swapped][:5])
     own_grads = None
     if own_first:
         dq, own_grads = own_block(dq)
@@ -493,21 +581,24 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
     dk, dv = own_grads
     if home is not None:
         dk, dv = dk + home[0], dv + home[1]
+    dq = dq_sum.finish(dq, q)
     if swapped:
         dq = _swap_halves(dq, 1)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def whole_keys_backward(q, k, v, o, lse, do, dlse=None, *, step: plans.Step,
-                        axis_name: AxisName, attend_bwd: BlockBackward, q_segment_ids=None,
+                        axis_name: AxisName, attend_bwd: BlockBackward,
+                        dq_state: DqStateCalls | None = None, q_segment_ids=None,
                         kv_segment_ids=None, order: Order = None):
     """(dq in q's dtype, dk, dv float32 over all keys: this device's share, to be summed
     over the devices) with all keys and values on this device."""
-    branch = functools.partial(_backward_blocks, attend_bwd,
-                               (q, o, lse, do, dlse, q_segment_ids), False)
+    dq_sum = _dq_sum(attend_bwd, dq_state, None, (step,), q.shape[1])
+    saved = (q, o, lse, do, dlse, q_segment_ids)
+    branch = functools.partial(_backward_blocks, dq_sum, saved, False)
     dq, (gk, gv) = _run_step(step, axis_name, branch, _with_segments(k, v, kv_segment_ids),
-                             jnp.zeros_like(q, jnp.float32), order=order)
-    return dq.astype(q.dtype), gk, gv
+                             dq_sum.start(*saved[:5]), order=order)
+    return dq_sum.finish(dq, q), gk, gv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -741,7 +832,9 @@ def sequence_sharded_backward(fn, static: dict, plan: SequencePlan, axis_name: A
                               q, k, v, o, lse, do, dlse=None, q_segment_ids=None,
                               kv_segment_ids=None):
     """Per device: (dq, dk, dv) of the local shards, in the split they came in."""
+    from tk_jax.attention import attention_bwd_state_calls
     attend_bwd = _kernel_calls(fn, static, backward=True)
+    dq_state = attention_bwd_state_calls(scale=static["scale"], backend="kernel")
     (q, o, do, lse, dlse, q_seg), (k, v, kv_seg) = _to_plan_layout(
         plan, axis_name, [(q, 1), (o, 1), (do, 1), (lse, 2), (dlse, 2), (q_segment_ids, 1)],
         [(k, 1), (v, 1), (kv_segment_ids, 1)])
@@ -749,14 +842,14 @@ def sequence_sharded_backward(fn, static: dict, plan: SequencePlan, axis_name: A
     if plan.exchange == RING:
         dq, dk, dv = ring_backward(q, k, v, o, lse, do, dlse, plan=plan.plan,
                                    axis_name=axis_name, attend_bwd=attend_bwd,
-                                   order=plan.order, **segments)
+                                   dq_state=dq_state, order=plan.order, **segments)
     else:
         k_local, v_local = k, v
         if plan.exchange == ALL_GATHER:
             k, v, segments["kv_segment_ids"] = _gathered(axis_name, k, v, kv_seg)
         dq, gk, gv = whole_keys_backward(q, k, v, o, lse, do, dlse, step=plan.plan,
                                          axis_name=axis_name, attend_bwd=attend_bwd,
-                                         order=plan.order, **segments)
+                                         dq_state=dq_state, order=plan.order, **segments)
         if plan.exchange == ALL_GATHER:  # each device's share of every key, summed at home
             gk, gv = (lax.psum_scatter(g, axis_name, scatter_dimension=1, tiled=True)
                       for g in (gk, gv))

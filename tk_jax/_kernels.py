@@ -83,6 +83,16 @@ def attention_fwd(q, k, v, *, scale: float, window_left: int, window_right: int,
     return o, lse
 
 
+def _backward_workspaces(batch: int, heads_q: int, heads_kv: int, dq_rows: int, seq_k: int,
+                         head_dim: int) -> tuple:
+    """The backward's two scratch outputs: the dQ state (its dQ accumulator and row
+    statistics, for dq_rows query rows) and the key workspace (GQA's dK / dV accumulators), of
+    the sizes the extension says (linear in the batch, which folds vmap's leading axes)."""
+    state = _tk.attention_backward_dq_state_bytes(batch, heads_q, dq_rows, head_dim)
+    keys = _tk.attention_backward_key_workspace_bytes(batch, heads_q, heads_kv, seq_k, head_dim)
+    return (jax.ShapeDtypeStruct((state,), jnp.uint8), jax.ShapeDtypeStruct((keys,), jnp.uint8))
+
+
 def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: int, window_right: int,
                   q_segment_ids=None, kv_segment_ids=None, q_seq_lengths=None, kv_seq_lengths=None,
                   bottom_right: bool = True):
@@ -92,30 +102,76 @@ def attention_bwd(q, k, v, o, lse, do, dlse=None, *, scale: float, window_left: 
     dlse the cotangent of lse or None, the masks as attention_fwd takes them. For dlse None the
     call gets zeros: the handler keeps one fixed list of buffers, at a cost of 8 bytes a query
     row (written, then read) next to the 4 D bytes of do and o it reads anyway. The kernels'
-    scratch memory is two more outputs of the call, of the sizes the extension says. Under vmap,
-    extra leading axes fold into the batch in C++ (the workspaces' sizes are linear in the
+    scratch memory is three more outputs of the call, of the sizes the extension says. Under
+    vmap, extra leading axes fold into the batch in C++ (the workspaces' sizes are linear in the
     batch).
     """
     *lead, seq_q, heads_q, head_dim = q.shape
     seq_k, heads_kv = k.shape[-3], k.shape[-2]
-    workspace_bytes = _tk.attention_backward_workspace_bytes(math.prod(lead), heads_q, heads_kv, seq_q, seq_k,
-                                                             head_dim)
     masks, mask_workspace, mask_attrs = _mask_operands(
         q, k, q_segment_ids, kv_segment_ids, q_seq_lengths, kv_seq_lengths, bottom_right)
     out_types = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype),
-        jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8),
+        *_backward_workspaces(math.prod(lead), heads_q, heads_kv, seq_q, seq_k, head_dim),
         mask_workspace,
     )
     if dlse is None:
         dlse = jnp.zeros_like(lse)
     call = jax.ffi.ffi_call("tk_attention_bwd", out_types, vmap_method="broadcast_all")
-    dq, dk, dv, _, _ = call(q, k, v, o.astype(q.dtype), do.astype(q.dtype), lse, dlse.astype(jnp.float32),
-                            *masks, scale=np.float32(scale), window_left=np.int64(window_left),
-                            window_right=np.int64(window_right), **mask_attrs)
+    dq, dk, dv, *_ = call(q, k, v, o.astype(q.dtype), do.astype(q.dtype), lse, dlse.astype(jnp.float32),
+                          *masks, scale=np.float32(scale), window_left=np.int64(window_left),
+                          window_right=np.int64(window_right), **mask_attrs)
     return dq, dk, dv
+
+
+# The backward in three calls, for a caller that sums dQ over several calls with different keys
+# (context parallelism: one call per block of keys). The dQ state is opaque bytes: its layout is
+# the kernels' (cpp/kernels/attention/backward_workspace.cuh). No vmap: these run on local
+# blocks inside the ring, where the batch is folded already.
+
+
+def attention_bwd_row_stats(o, lse, do, dlse=None, *, scale: float):
+    """A new dQ state for the rows of o [B, T, Hq, D]: their row statistics (from o, lse, do
+    and dlse, or zeros) and a zeroed dQ accumulator."""
+    batch, seq_q, heads_q, head_dim = o.shape
+    state, _ = _backward_workspaces(batch, heads_q, heads_q, seq_q, seq_q, head_dim)
+    if dlse is None:
+        dlse = jnp.zeros_like(lse)
+    call = jax.ffi.ffi_call("tk_attention_bwd_row_stats", state)
+    return call(o, do.astype(o.dtype), lse, dlse.astype(jnp.float32), scale=np.float32(scale))
+
+
+def attention_bwd_keys(state, q, k, v, do, *, dq_rows: int, dq_row_shift: int, scale: float,
+                       window_left: int, window_right: int, q_segment_ids=None,
+                       kv_segment_ids=None, q_seq_lengths=None, kv_seq_lengths=None,
+                       bottom_right: bool = True):
+    """(state, dk, dv): the backward of the queries q (with their do) against k, v, as
+    attention_bwd computes it, with dq added into the dQ state (of dq_rows rows; row i of q is
+    row (i + dq_row_shift) mod dq_rows there) instead of returned. A call on part of the rows
+    needs Tq, dq_rows and dq_row_shift multiples of 64."""
+    batch, seq_q, heads_q, head_dim = q.shape
+    seq_k, heads_kv = k.shape[1], k.shape[2]
+    masks, mask_workspace, mask_attrs = _mask_operands(
+        q, k, q_segment_ids, kv_segment_ids, q_seq_lengths, kv_seq_lengths, bottom_right)
+    state_type, key_workspace = _backward_workspaces(batch, heads_q, heads_kv, dq_rows, seq_k, head_dim)
+    out_types = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                 state_type, key_workspace, mask_workspace)
+    state_index = 4 + len(masks)  # q, k, v, do, the masks, then the state
+    call = jax.ffi.ffi_call("tk_attention_bwd_keys", out_types,
+                            input_output_aliases={state_index: 2})
+    dk, dv, state, _, _ = call(q, k, v, do.astype(q.dtype), *masks, state, scale=np.float32(scale),
+                               window_left=np.int64(window_left), window_right=np.int64(window_right),
+                               dq_rows=np.int64(dq_rows), dq_row_shift=np.int64(dq_row_shift), **mask_attrs)
+    return state, dk, dv
+
+
+def attention_bwd_dq(state, like):
+    """dq shaped and typed like `like` (a [B, T, Hq, D] array or ShapeDtypeStruct) out of the
+    dQ state."""
+    call = jax.ffi.ffi_call("tk_attention_bwd_dq", jax.ShapeDtypeStruct(like.shape, like.dtype))
+    return call(state)
 
 
 @functools.lru_cache(maxsize=None)

@@ -215,6 +215,33 @@ def attention_bwd_impl(q, k, v, o, lse, do, *, scale, window_left, window_right,
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+def attention_bwd_state_calls(*, scale, backend, bottom_right: bool = True):
+    """The kernels' backward in three calls on local blocks (tk_jax/_context_parallel.py,
+    DqStateCalls: the row statistics once, a call per block of keys adding its dq into one dQ
+    state, dq out of it once), or None for the reference backend, whose blocks' dq the caller
+    sums. Results are typed per device inside shard_map (see _partitioning.on_local_shards)."""
+    _check_resolved(backend)
+    if backend != "kernel":
+        return None
+    from tk_jax._context_parallel import DqStateCalls
+    options = _kernel_options(bottom_right)
+
+    def row_stats(o, lse, do, dlse):
+        extra = () if dlse is None else (dlse,)
+        return _partitioning.on_local_shards(
+            lambda *a: (_kernels.attention_bwd_row_stats(*a, scale=scale),))(o, lse, do, *extra)[0]
+
+    def keys(state, q, k, v, do, *, dq_rows, dq_row_shift, window_left, window_right, **masks):
+        return _partitioning.on_local_shards(_kernels.attention_bwd_keys)(
+            state, q, k, v, do, dq_rows=dq_rows, dq_row_shift=dq_row_shift, scale=scale,
+            window_left=window_left, window_right=window_right, **masks, **options)
+
+    def dq(state, like):
+        return _partitioning.on_local_shards(
+            lambda s: (_kernels.attention_bwd_dq(s, like),))(state)[0]
+    return DqStateCalls(row_stats, keys, dq)
+
+
 # ----------------------------------------------------------------------------------------------
 # Differentiation. The custom_vjp keeps autodiff away from the kernel (it has no JAX derivative)
 # and from the reference's inner loop (its derivative would store every score block).

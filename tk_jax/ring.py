@@ -20,8 +20,9 @@ from tk_jax._checks import (check_attention_qkv, check_backend_name, check_bool,
                             is_int, resolve_softmax_scale)
 from tk_jax._context_parallel import ring_backward, ring_forward, steps_by_lengths
 from tk_jax._ring_plan import CONTIGUOUS, LOAD_BALANCED, ring_plan
-from tk_jax.attention import (AttentionMasks, attention_bwd_impl, attention_fwd_impl,
-                              check_flash_masks, choose_backend, fold_batch_dims)
+from tk_jax.attention import (AttentionMasks, attention_bwd_impl, attention_bwd_state_calls,
+                              attention_fwd_impl, check_flash_masks, choose_backend,
+                              fold_batch_dims)
 
 # Device r holds the queries and keys of its part of the sequence. In step s it holds the K/V
 # block that started on device (r - s) mod n and computes its queries against it, merging the
@@ -173,8 +174,9 @@ def _ring_backward_rule(axis_name, scale, plan, backend, residuals, do):
     _, attend_bwd = _block_calls(scale, backend)
     q, k, v, segments, o, lse, neighbour_keys = residuals
     dq, dk, dv = ring_backward(q, k, v, o, lse, do, plan=plan, axis_name=axis_name,
-                               attend_bwd=attend_bwd, neighbour_keys=neighbour_keys,
-                               **_segment_kwargs(segments))
+                               attend_bwd=attend_bwd,
+                               dq_state=attention_bwd_state_calls(scale=scale, backend=backend),
+                               neighbour_keys=neighbour_keys, **_segment_kwargs(segments))
     return dq, dk, dv, None
 
 

@@ -81,24 +81,47 @@ struct BackwardParams {
   void* dq;            // [batch, seq_q, heads_q, head_dim], q's dtype
   void* dk;            // [batch, seq_k, heads_kv, head_dim], k's dtype (summed over the GQA group)
   void* dv;            // [batch, seq_k, heads_kv, head_dim]
-  void* workspace;     // backward_workspace_bytes(...) bytes, 16-byte aligned; its contents need no setting
+  // Scratch memory, 16-byte aligned, contents need no setting: the dQ state (the dQ accumulator
+  // and the row statistics, backward_dq_state_bytes) and the dK / dV accumulators of GQA
+  // (backward_key_workspace_bytes; may be null where that is 0).
+  void* workspace;
+  void* key_workspace;
   int batch, seq_q, seq_k, heads_q, heads_kv, head_dim;
   float scale;
   int window_left, window_right;  // as in ForwardParams
   MaskParams mask;                // the forward's
   DType dtype;
+  // Several calls may sum their dQ into one dQ state (the three passes below; context
+  // parallelism: one call per block of keys). The state then holds dq_rows query rows, and row
+  // i of this call is row (i + dq_row_shift) mod dq_rows of it. 0, 0: the call's own seq_q
+  // rows, unshifted. A call on part of the rows must have seq_q and dq_row_shift multiples of
+  // BACKWARD_Q_TILE (64): its tiles then are whole tiles of the state.
+  int dq_rows = 0, dq_row_shift = 0;
+
+  int state_rows() const { return dq_rows ? dq_rows : seq_q; }
 };
 
-// Bytes of scratch memory the backward needs (what its passes hand each other). Linear in batch:
-// callers that fold extra leading axes into the batch may size it per batch and multiply.
-size_t backward_workspace_bytes(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t seq_k,
-                                int64_t head_dim);
+// Bytes of the backward's scratch memory (what its passes hand each other), in two buffers.
+// Linear in batch: callers that fold extra leading axes into the batch may size them per batch
+// and multiply. dq_rows: the query rows of the dQ state (a lone call: seq_q).
+size_t backward_dq_state_bytes(int64_t batch, int64_t heads_q, int64_t dq_rows, int64_t head_dim);
+size_t backward_key_workspace_bytes(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_k,
+                                    int64_t head_dim);
 
-const char* backward_unsupported(const BackwardParams& p);
+// The backward's passes, each on `stream` only, never synchronising:
+//   ROW_STATS  the row statistics (lse and delta in the kernels' units) into the dQ state, and
+//              its dQ accumulator zeroed. Reads o, dout, lse, dlse; seq_q = the state's rows.
+//   KEYS       the backward kernel: dk and dv out, dQ added into the state. Reads q, k, v, dout
+//              and the masks; writes the key workspace.
+//   DQ_OUT     dq out of the state. Writes dq; seq_q = the state's rows.
+// A lone call runs all three. A caller that sums dQ over several calls with different keys
+// runs ROW_STATS once, KEYS per call (dq_rows, dq_row_shift placing its rows), DQ_OUT once.
+enum BackwardPasses : unsigned { ROW_STATS = 1u, KEYS = 2u, DQ_OUT = 4u, ALL_PASSES = 7u };
 
-// Launches on `stream` only, never synchronises: the row statistics (lse and delta in the
-// kernels' units), the zeroing of the dQ accumulator, the backward kernel, then dq from the
-// accumulator, all in the workspace.
-cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
+// nullptr when the kernels support `p` for `passes`, else a sentence saying what is wrong.
+const char* backward_unsupported(const BackwardParams& p, unsigned passes = ALL_PASSES);
+
+// Launches the `passes` of the backward, in the order above. Returns the launch status.
+cudaError_t backward(const BackwardParams& p, cudaStream_t stream, unsigned passes = ALL_PASSES);
 
 }  // namespace tk::attention

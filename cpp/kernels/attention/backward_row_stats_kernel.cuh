@@ -43,7 +43,8 @@ __global__ void __launch_bounds__(ROW_STATS_THREADS, 2) row_stats_kernel(const _
   static_assert(ROW_THREADS <= WARP_THREADS && PASSES * ROWS_AT_ONCE == BACKWARD_Q_TILE && PASSES % LOADS_AHEAD == 0);
   const head_tile block = head_tile::of_block(p.heads_q);
   const int h = block.h, b = block.b, part = threadIdx.x % ROW_THREADS;
-  const int q_first = block.tile * BACKWARD_Q_TILE + threadIdx.x / ROW_THREADS;  // this thread's first row
+  const int q0 = block.tile * BACKWARD_Q_TILE, q_first = q0 + threadIdx.x / ROW_THREADS;  // this thread's first row
+  const int64_t tile_row = ws.row(b, h, q0);
   const auto dO = gl<T>::contiguous((T*)p.dout, p.batch, p.seq_q, p.heads_q, D);
   const auto O = gl<T>::contiguous((T*)p.o, p.batch, p.seq_q, p.heads_q, D);
 
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(ROW_STATS_THREADS, 2) row_stats_kernel(const _
       for (int lanes = ROW_THREADS / 2; lanes > 0; lanes /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, lanes);
       const int q = q_first + (pass0 + i) * ROWS_AT_ONCE;
       if (part == 0) {  // padding rows: lse = -inf gives +inf, dO = 0 and dlse = 0 give 0
-        const int64_t at = ws.row(b, h, q);
+        const int64_t at = tile_row + (q - q0);
         ws.lse2[at] = lse[i] == NEG_INF ? -NEG_INF : lse[i] * LOG2E;
         ws.delta[at] = p.scale * (dot - dlse[i]);
       }
