@@ -6,7 +6,8 @@ compute-sanitizer:
 Tq > Tk: with bottom-right causal alignment the first rows see no key at all, and the backward
 walks several query tiles per key block, so work carried from one step to the next is covered.
 The KV-cache case: contiguous and paged caches (pages smaller and larger than a key tile, garbage
-table entries past each row's pages), lengths 0, partial and full, one split and several."""
+table entries past each row's pages), lengths 0, partial and full, one split and several. The
+attention backward also runs as its three calls, on a dQ state with shifted, wrapping rows."""
 import math
 import sys
 
@@ -55,6 +56,17 @@ for d in (64, 128, 256) if "attention" in which else ():
                         q_seq_lengths=jnp.asarray([5, t], jnp.int32), kv_seq_lengths=jnp.asarray([t, 64], jnp.int32))
     o_l, lse_l = _kernels.attention_fwd(qb, kb, vb, **lengths_only)
     jax.block_until_ready(_kernels.attention_bwd(qb, kb, vb, o_l, lse_l, jnp.ones_like(o_l), **lengths_only))
+    # The backward in three calls (context parallelism's dQ state): two blocks of keys, the
+    # second call on part of the rows, its rows shifted and wrapping around the state's end.
+    rows = 256
+    q3, do3 = (jnp.asarray(rng.standard_normal((1, rows, 4, d)), jnp.bfloat16) for _ in range(2))
+    o3, lse3 = _kernels.attention_fwd(q3, k, v, **full)
+    state = _kernels.attention_bwd_row_stats(o3, lse3, do3, scale=full["scale"])
+    state, _, _ = _kernels.attention_bwd_keys(state, q3, k[:, :70], v[:, :70], do3, dq_rows=rows,
+                                              dq_row_shift=128, **full)
+    state, _, _ = _kernels.attention_bwd_keys(state, q3[:, 64:], k[:, 70:], v[:, 70:], do3[:, 64:],
+                                              dq_rows=rows, dq_row_shift=192, **full)
+    jax.block_until_ready(_kernels.attention_bwd_dq(state, q3))
 for dv in (64, 128) if "based" in which else ():  # Based: two chunks, the second partial; a random initial state
     qk_shape, v_shape = (1, 77, 2, 16), (1, 77, 2, dv)
     q, k = (jnp.asarray(0.5 * rng.standard_normal(qk_shape), jnp.bfloat16) for _ in range(2))

@@ -4,7 +4,8 @@ The handlers declare ffi::Traits::kCmdBufferCompatible, so XLA may record a jitt
 custom calls into a CUDA graph and replay it (re-recording when buffer addresses change)
 instead of calling the handlers every step. This test shows that this happens and is safe: a
 jitted step with attention and Based forward and backward (T = 300, not a multiple of 64) and
-a Based decode step, compiled with command buffers for custom calls,
+a Based decode step, and the attention backward in three calls (a dQ state handed from call
+to call), compiled with command buffers for custom calls,
   1. runs every tk_* custom call inside a command buffer, and
   2. gives, over three calls on fresh inputs (new values at new addresses each time), what the
      same step compiled without command buffers gives: forward outputs bit for bit, gradients
@@ -34,13 +35,14 @@ pytestmark = pytest.mark.gpu
 
 B, T, H, D, DV = 2, 300, 4, 128, 64  # attention head dim D; Based feature dim 16, value dim DV
 GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-TARGETS = ["tk_attention_bwd", "tk_attention_fwd", "tk_based_bwd", "tk_based_decode",
+TARGETS = ["tk_attention_bwd", "tk_attention_bwd_dq", "tk_attention_bwd_keys",
+           "tk_attention_bwd_row_stats", "tk_attention_fwd", "tk_based_bwd", "tk_based_decode",
            "tk_based_fwd"]
 SHAPES = {"q": (B, T, H, D), "k": (B, T, H, D), "v": (B, T, H, D), "w_o": (B, T, H, D),
           "qf": (B, T, H, 16), "kf": (B, T, H, 16), "vb": (B, T, H, DV), "w_y": (B, T, H, DV),
           "qt": (B, H, 16), "kt": (B, H, 16), "vt": (B, H, DV)}
 FORWARD = ("o", "y", "y_t")
-OUTPUTS = FORWARD + ("dq", "dk", "dv", "dqf", "dkf", "dvb")
+OUTPUTS = FORWARD + ("dq", "dk", "dv", "dqf", "dkf", "dvb", "dq_state", "dk_state")
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -56,7 +58,22 @@ def cmdbuf_step(q, k, v, w_o, qf, kf, vb, w_y, qt, kt, vt):
     grads, (o, y, state) = jax.grad(loss, argnums=tuple(range(6)), has_aux=True)(
         q, k, v, qf, kf, vb)
     y_t, _ = tk_jax.based_decode_step(qt, kt, vt, state, backend="kernel")
-    return (o, y, y_t, *grads)
+    return (o, y, y_t, *grads, *backward_in_three_calls(q, k, v, w_o))
+
+
+def backward_in_three_calls(q, k, v, do):
+    """(dq, dk of the first keys) from the backward's three calls (one dQ state handed from
+    call to call, the kernel call's state aliased in and out), the keys in two blocks."""
+    from tk_jax import _kernels
+
+    kw = dict(scale=1 / D ** 0.5, window_left=-1, window_right=-1)
+    o, lse = _kernels.attention_fwd(q, k, v, **kw)
+    state = _kernels.attention_bwd_row_stats(o, lse, do, scale=kw["scale"])
+    state, dk, _ = _kernels.attention_bwd_keys(state, q, k[:, :T // 2], v[:, :T // 2], do,
+                                               dq_rows=T, dq_row_shift=0, **kw)
+    state, _, _ = _kernels.attention_bwd_keys(state, q, k[:, T // 2:], v[:, T // 2:], do,
+                                              dq_rows=T, dq_row_shift=0, **kw)
+    return _kernels.attention_bwd_dq(state, q), dk
 
 
 def random_inputs(rng):
@@ -175,5 +192,5 @@ def test_command_buffers_match_plain_execution(hopper, rng, tmp_path):
             else:
                 # Attention's dq adds per-key-block partial sums with float atomics, in any
                 # order: rounded to bf16, a few elements may differ by one step.
-                tol = 1e-4 if name == "dq" else 1e-5
+                tol = 1e-4 if name in ("dq", "dq_state") else 1e-5
                 assert rel_l2(got, want) <= tol, (f"call {i}: {name}", rel_l2(got, want))
