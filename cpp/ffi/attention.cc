@@ -210,6 +210,38 @@ ffi::Error launch_bwd(const char* target, const tk::attention::BackwardParams& p
   return ffi::Error::Success();
 }
 
+// What the KEYS pass reads and writes beyond the query rows (decode_rows first): k, v, dk, dv,
+// the window, the key workspace and the masks, checked and set in p with q, dout and the scale.
+std::string decode_keys_pass(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
+                             ffi::Buffer<ffi::S32> q_segment_ids, ffi::Buffer<ffi::S32> kv_segment_ids,
+                             ffi::Buffer<ffi::S32> q_lengths, ffi::Buffer<ffi::S32> kv_lengths,
+                             ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv,
+                             ffi::Result<ffi::Buffer<ffi::U8>>& key_workspace,
+                             ffi::Result<ffi::Buffer<ffi::U8>>& mask_workspace, float scale, int64_t window_left,
+                             int64_t window_right, bool has_segment_ids, bool has_seq_lengths, bool bottom_right,
+                             tk::attention::BackwardParams& p) {
+  std::string why = decode_keys(q.dimensions(), q.element_type(), k, v, *dk, *dv, p);
+  if (why.empty()) why = check_window(window_left, window_right, p);
+  if (why.empty())
+    why = check_size(key_workspace->size_bytes(),
+                     tk::attention::backward_key_workspace_bytes(p.batch, p.heads_q, p.heads_kv, p.seq_k, p.head_dim),
+                     "key workspace (attention_backward_key_workspace_bytes(batch, heads_q, heads_kv, seq_k, "
+                     "head_dim))");
+  if (why.empty())
+    why = decode_mask(q.dimensions(), k.dimensions(), q_segment_ids, kv_segment_ids, q_lengths, kv_lengths,
+                      mask_workspace, has_segment_ids, has_seq_lengths, bottom_right, p.batch, p.mask);
+  if (!why.empty()) return why;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.dout = dout.untyped_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  p.key_workspace = key_workspace->size_bytes() ? key_workspace->untyped_data() : nullptr;
+  p.scale = scale;
+  return "";
+}
+
 // The whole backward of one call.
 ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::AnyBuffer o, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
@@ -224,33 +256,19 @@ ffi::Error AttentionBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   constexpr const char* target = "tk_attention_bwd";
   tk::attention::BackwardParams p{};
   std::string why = decode_rows({&q, &o, &dout, &*dq}, {&lse, &dlse}, p);
-  if (why.empty()) why = decode_keys(q.dimensions(), q.element_type(), k, v, *dk, *dv, p);
-  if (why.empty()) why = check_window(window_left, window_right, p);
   if (why.empty())
     why = check_size(workspace->size_bytes(), tk::attention::backward_dq_state_bytes(p.batch, p.heads_q, p.seq_q, p.head_dim),
                      "workspace (attention_backward_dq_state_bytes(batch, heads_q, seq_q, head_dim))");
   if (why.empty())
-    why = check_size(key_workspace->size_bytes(),
-                     tk::attention::backward_key_workspace_bytes(p.batch, p.heads_q, p.heads_kv, p.seq_k, p.head_dim),
-                     "key workspace (attention_backward_key_workspace_bytes(batch, heads_q, heads_kv, seq_k, "
-                     "head_dim))");
-  if (why.empty())
-    why = decode_mask(q.dimensions(), k.dimensions(), q_segment_ids, kv_segment_ids, q_lengths, kv_lengths,
-                      mask_workspace, has_segment_ids, has_seq_lengths, bottom_right, p.batch, p.mask);
+    why = decode_keys_pass(q, k, v, dout, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, dk, dv, key_workspace,
+                           mask_workspace, scale, window_left, window_right, has_segment_ids, has_seq_lengths,
+                           bottom_right, p);
   if (!why.empty()) return invalid_bwd(target, why);
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
-  p.v = v.untyped_data();
   p.o = o.untyped_data();
-  p.dout = dout.untyped_data();
   p.lse = lse.typed_data();
   p.dlse = dlse.typed_data();
   p.dq = dq->untyped_data();
-  p.dk = dk->untyped_data();
-  p.dv = dv->untyped_data();
   p.workspace = workspace->untyped_data();
-  p.key_workspace = key_workspace->size_bytes() ? key_workspace->untyped_data() : nullptr;
-  p.scale = scale;
   return launch_bwd(target, p, stream, tk::attention::ALL_PASSES);
 }
 
@@ -292,8 +310,6 @@ ffi::Error AttentionBackwardKeys(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   constexpr const char* target = "tk_attention_bwd_keys";
   tk::attention::BackwardParams p{};
   std::string why = decode_rows({&q, &dout}, {}, p);
-  if (why.empty()) why = decode_keys(q.dimensions(), q.element_type(), k, v, *dk, *dv, p);
-  if (why.empty()) why = check_window(window_left, window_right, p);
   if (why.empty() && (dq_rows < 1 || dq_rows > INT32_MAX || dq_row_shift < 0 || dq_row_shift >= dq_rows))
     why = "dq_rows must be in [1, 2^31) and dq_row_shift in [0, dq_rows)";
   if (why.empty()) {
@@ -305,23 +321,11 @@ ffi::Error AttentionBackwardKeys(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   if (why.empty() && (state_in.size_bytes() != state->size_bytes() || state_in.untyped_data() != state->untyped_data()))
     why = "the dQ state must be passed in and aliased to the dQ state out";
   if (why.empty())
-    why = check_size(key_workspace->size_bytes(),
-                     tk::attention::backward_key_workspace_bytes(p.batch, p.heads_q, p.heads_kv, p.seq_k, p.head_dim),
-                     "key workspace (attention_backward_key_workspace_bytes(batch, heads_q, heads_kv, seq_k, "
-                     "head_dim))");
-  if (why.empty())
-    why = decode_mask(q.dimensions(), k.dimensions(), q_segment_ids, kv_segment_ids, q_lengths, kv_lengths,
-                      mask_workspace, has_segment_ids, has_seq_lengths, bottom_right, p.batch, p.mask);
+    why = decode_keys_pass(q, k, v, dout, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, dk, dv, key_workspace,
+                           mask_workspace, scale, window_left, window_right, has_segment_ids, has_seq_lengths,
+                           bottom_right, p);
   if (!why.empty()) return invalid_bwd(target, why);
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
-  p.v = v.untyped_data();
-  p.dout = dout.untyped_data();
-  p.dk = dk->untyped_data();
-  p.dv = dv->untyped_data();
   p.workspace = state->untyped_data();
-  p.key_workspace = key_workspace->size_bytes() ? key_workspace->untyped_data() : nullptr;
-  p.scale = scale;
   return launch_bwd(target, p, stream, tk::attention::KEYS);
 }
 
