@@ -443,12 +443,11 @@ class _DqInKernelState:
         self.calls = calls
 
     @staticmethod
-    def fits(plan: plans.RingPlan | None, steps, length: int) -> bool:
-        """Whether every block of `steps` is whole tiles of a state of `length` rows, moved by
-        whole tiles."""
+    def fits(swapped: bool, steps, length: int) -> bool:
+        """Whether every block of `steps` is whole tiles of a state of `length` rows (counted
+        with the halves exchanged if `swapped`), moved by whole tiles."""
         def whole(*rows):
             return all(r % _TILE == 0 for r in rows)
-        swapped = plan is not None and plan.rows_swapped
         return whole(length) and all(
             whole(b.q_start, b.q_stop) and (step.rows_swapped == swapped or whole(length // 2))
             for step in steps for blocks in step.branches for b in blocks)
@@ -469,10 +468,11 @@ class _DqInKernelState:
         return self.calls.dq(state, like)
 
 
-def _dq_sum(attend_bwd: BlockBackward, dq_state: DqStateCalls | None, plan, steps, length):
-    """How a backward of these steps sums dq: in the kernels' state where given and where the
-    blocks fit its tiles, else here in float32."""
-    if dq_state is not None and _DqInKernelState.fits(plan, steps, length):
+def _dq_sum(attend_bwd: BlockBackward, dq_state: DqStateCalls | None, swapped: bool, steps,
+            length):
+    """How a backward of these steps sums dq (its accumulator's rows swapped or not): in the
+    kernels' state where given and where the blocks fit its tiles, else here in float32."""
+    if dq_state is not None and _DqInKernelState.fits(swapped, steps, length):
         return _DqInKernelState(dq_state)
     return _DqInFloat32(attend_bwd)
 
@@ -534,7 +534,7 @@ def ring_backward(q, k, v, o, lse, do, dlse=None, *, plan: plans.RingPlan,
     swapped = plan.rows_swapped
     saved = _in_row_orders(plan, [(q, 1), (o, 1), (lse, 2), (do, 1), (dlse, 2),
                                   (q_segment_ids, 1)])
-    dq_sum = _dq_sum(attend_bwd, dq_state, plan, plan.steps, q.shape[1])
+    dq_sum = _dq_sum(attend_bwd, dq_state, swapped, plan.steps, q.shape[1])
 
     def branch(step):
         return functools.partial(_backward_blocks, dq_sum, saved[step.rows_swapped],
@@ -593,7 +593,7 @@ def whole_keys_backward(q, k, v, o, lse, do, dlse=None, *, step: plans.Step,
                         kv_segment_ids=None, order: Order = None):
     """(dq in q's dtype, dk, dv float32 over all keys: this device's share, to be summed
     over the devices) with all keys and values on this device."""
-    dq_sum = _dq_sum(attend_bwd, dq_state, None, (step,), q.shape[1])
+    dq_sum = _dq_sum(attend_bwd, dq_state, False, (step,), q.shape[1])
     saved = (q, o, lse, do, dlse, q_segment_ids)
     branch = functools.partial(_backward_blocks, dq_sum, saved, False)
     dq, (gk, gv) = _run_step(step, axis_name, branch, _with_segments(k, v, kv_segment_ids),

@@ -136,7 +136,8 @@ def attention_bwd_row_stats(o, lse, do, dlse=None, *, scale: float):
     """A new dQ state for the rows of o [B, T, Hq, D]: their row statistics (from o, lse, do
     and dlse, or zeros) and a zeroed dQ accumulator."""
     batch, seq_q, heads_q, head_dim = o.shape
-    state, _ = _backward_workspaces(batch, heads_q, heads_q, seq_q, seq_q, head_dim)
+    state = jax.ShapeDtypeStruct(
+        (_tk.attention_backward_dq_state_bytes(batch, heads_q, seq_q, head_dim),), jnp.uint8)
     if dlse is None:
         dlse = jnp.zeros_like(lse)
     call = jax.ffi.ffi_call("tk_attention_bwd_row_stats", state)

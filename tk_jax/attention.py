@@ -215,16 +215,16 @@ def attention_bwd_impl(q, k, v, o, lse, do, *, scale, window_left, window_right,
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def attention_bwd_state_calls(*, scale, backend, bottom_right: bool = True):
+def attention_bwd_state_calls(*, scale, backend):
     """The kernels' backward in three calls on local blocks (tk_jax/_context_parallel.py,
     DqStateCalls: the row statistics once, a call per block of keys adding its dq into one dQ
     state, dq out of it once), or None for the reference backend, whose blocks' dq the caller
-    sums. Results are typed per device inside shard_map (see _partitioning.on_local_shards)."""
+    sums. The blocks' masks are bottom-right aligned (the kernels' default), as the ring plans
+    them. Results are typed per device inside shard_map (see _partitioning.on_local_shards)."""
     _check_resolved(backend)
     if backend != "kernel":
         return None
     from tk_jax._context_parallel import DqStateCalls
-    options = _kernel_options(bottom_right)
 
     def row_stats(o, lse, do, dlse):
         extra = () if dlse is None else (dlse,)
@@ -234,7 +234,7 @@ def attention_bwd_state_calls(*, scale, backend, bottom_right: bool = True):
     def keys(state, q, k, v, do, *, dq_rows, dq_row_shift, window_left, window_right, **masks):
         return _partitioning.on_local_shards(_kernels.attention_bwd_keys)(
             state, q, k, v, do, dq_rows=dq_rows, dq_row_shift=dq_row_shift, scale=scale,
-            window_left=window_left, window_right=window_right, **masks, **options)
+            window_left=window_left, window_right=window_right, **masks)
 
     def dq(state, like):
         return _partitioning.on_local_shards(
