@@ -286,8 +286,6 @@ ffi::Error AttentionBackwardRowStats(cudaStream_t stream, ffi::AnyBuffer o, ffi:
     why = check_size(state->size_bytes(), tk::attention::backward_dq_state_bytes(p.batch, p.heads_q, p.seq_q, p.head_dim),
                      "dQ state (attention_backward_dq_state_bytes(batch, heads_q, seq_q, head_dim))");
   if (!why.empty()) return invalid_bwd(target, why);
-  p.seq_k = p.seq_q;  // no keys in this pass
-  p.heads_kv = p.heads_q;
   p.o = o.untyped_data();
   p.dout = dout.untyped_data();
   p.lse = lse.typed_data();
@@ -339,9 +337,6 @@ ffi::Error AttentionBackwardDq(cudaStream_t stream, ffi::Buffer<ffi::U8> state, 
           std::to_string(tk::attention::backward_dq_state_bytes(p.batch, p.heads_q, p.seq_q, p.head_dim)) +
           " bytes for dq " + shape_str(*dq) + ", got " + std::to_string(state.size_bytes());
   if (!why.empty()) return invalid_bwd(target, why);
-  p.seq_k = p.seq_q;  // no keys in this pass
-  p.heads_kv = p.heads_q;
-  p.scale = 1.f;
   p.dq = dq->untyped_data();
   p.workspace = state.untyped_data();
   return launch_bwd(target, p, stream, tk::attention::DQ_OUT);
