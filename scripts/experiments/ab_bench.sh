@@ -13,7 +13,7 @@
 # Usage: scripts/experiments/ab_bench.sh "<python3 -m bench attention arguments>" m c c m
 #   e.g. scripts/experiments/ab_bench.sh "--d 128 --t 4k,16k --reps 7" m c c m
 #   AB_SUITE=based scripts/experiments/ab_bench.sh "--t 2k,8k --no-decode" m c c m
-# Prints a table last: one row per cell, the mean TFLOP/s (attention) or Mtoken/s (based) of
+# Prints a table last: one row per cell, the mean TFLOP/s (attention), Mtoken/s (based) or TB/s (decode) of
 # each variant over its rounds, and each round's number. The log (and the table so far, ab_table.md) go to $OUT when set.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,7 +36,7 @@ for round_, variant in enumerate(order, 1):
     for path in glob.glob(os.path.join(work, f"r{round_}-{variant}", "*.json")):
         for o in json.load(open(path)).get("results", []):
             metrics = o.get("metrics", {})
-            speed = metrics.get("tflops", metrics.get("mtokens_per_s"))
+            speed = metrics.get("tflops", metrics.get("mtokens_per_s", metrics.get("tb_per_s")))
             if o.get("status") == "ok" and speed is not None:
                 key = " ".join(f"{k}={v}" for k, v in sorted(o["config"].items()))
                 cells.setdefault(key, {}).setdefault(variant, []).append(speed)
@@ -51,10 +51,10 @@ for key in sorted(cells):
         if v not in means:
             shown.append("-")
         elif v == base or base not in means:
-            shown.append(f"{means[v]:.0f}")
+            shown.append(f"{means[v]:.3g}")
         else:
-            shown.append(f"{means[v]:.0f} ({100 * (means[v] / means[base] - 1):+.1f}%)")
-    rounds = " ".join(f"{v}:" + "/".join(f"{x:.0f}" for x in row.get(v, [])) for v in variants)
+            shown.append(f"{means[v]:.3g} ({100 * (means[v] / means[base] - 1):+.1f}%)")
+    rounds = " ".join(f"{v}:" + "/".join(f"{x:.3g}" for x in row.get(v, [])) for v in variants)
     print(f"| {key} | " + " | ".join(shown) + f" | {rounds} |")
 EOF
 }
