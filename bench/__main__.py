@@ -321,7 +321,7 @@ def decode_plan(args: argparse.Namespace) -> Plan:
     def reference_lines(measured: dict) -> list[str]:
         if not measured.get("bytes_per_s"):
             return [f"device copy rate: not measured ({measured.get('error', '?')})"]
-        return [f"device copy rate (read + write of a {measured['array_bytes'] / 2**30:.2f} GiB "
+        return [f"device copy rate (read + write of a {measured['array_bytes'] / 2**30:.2f} GiB float32 "
                 f"array, x + 1): {measured['bytes_per_s'] / 1e12:.2f} TB/s"]
 
     notes = ["bf16; no mask (every query token sees the whole cache, cache_seqlens = S); "
