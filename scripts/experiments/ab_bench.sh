@@ -41,6 +41,8 @@ for round_, variant in enumerate(order, 1):
                 key = " ".join(f"{k}={v}" for k, v in sorted(o["config"].items()))
                 cells.setdefault(key, {}).setdefault(variant, []).append(speed)
 base = variants[0]
+def fmt(x):  # TFLOP/s and Mtoken/s as integers, TB/s with three digits
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
 print("| cell | " + " | ".join(variants) + " | rounds |")
 print("|---" * (2 + len(variants)) + "|")
 for key in sorted(cells):
@@ -51,10 +53,10 @@ for key in sorted(cells):
         if v not in means:
             shown.append("-")
         elif v == base or base not in means:
-            shown.append(f"{means[v]:.3g}")
+            shown.append(fmt(means[v]))
         else:
-            shown.append(f"{means[v]:.3g} ({100 * (means[v] / means[base] - 1):+.1f}%)")
-    rounds = " ".join(f"{v}:" + "/".join(f"{x:.3g}" for x in row.get(v, [])) for v in variants)
+            shown.append(f"{fmt(means[v])} ({100 * (means[v] / means[base] - 1):+.1f}%)")
+    rounds = " ".join(f"{v}:" + "/".join(fmt(x) for x in row.get(v, [])) for v in variants)
     print(f"| {key} | " + " | ".join(shown) + f" | {rounds} |")
 EOF
 }
