@@ -13,8 +13,9 @@
 # Usage: scripts/experiments/ab_bench.sh "<python3 -m bench attention arguments>" m c c m
 #   e.g. scripts/experiments/ab_bench.sh "--d 128 --t 4k,16k --reps 7" m c c m
 #   AB_SUITE=based scripts/experiments/ab_bench.sh "--t 2k,8k --no-decode" m c c m
-# Prints a table last: one row per cell, the mean TFLOP/s (attention), Mtoken/s (based) or TB/s (decode) of
-# each variant over its rounds, and each round's number. The log (and the table so far, ab_table.md) go to $OUT when set.
+# Prints a table last: one row per cell, the mean TFLOP/s (attention, gqa, packed), Mtoken/s
+# (based) or TB/s (decode) of each variant over its rounds, and each round's number. The log
+# (and the table so far, ab_table.md) go to $OUT when set.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BENCH_ARGS="$1"
