@@ -10,12 +10,10 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None,
 SMS = 132  # an H100 SXM
 
 
-def splits(batch, heads_q, heads_kv, seq_q, head_dim, capacity, *, paged=False, sms=SMS,
-           requested=0):
+def splits(batch, heads_q, heads_kv, seq_q, head_dim, capacity, *, sms=SMS, requested=0):
     from tk_jax import _tk
 
-    return _tk.kvcache_num_splits(batch, heads_q, heads_kv, seq_q, head_dim, capacity, paged, sms,
-                                  requested)
+    return _tk.kvcache_num_splits(batch, heads_q, heads_kv, seq_q, head_dim, capacity, sms, requested)
 
 
 def test_a_requested_count_is_capped_by_the_key_tiles_and_the_most_allowed():
@@ -40,14 +38,12 @@ def test_few_rows_are_split_to_fill_the_card_with_enough_tiles_each():
     assert splits(1, 32, 8, 1, 128, 512) <= 512 // 64 // 4   # a short cache: 4 tiles a split
 
 
-def test_paged_mqa_with_several_tokens_takes_blocks_of_128_rows():
-    # 32 query heads x 4 tokens = 128 packed rows on one KV head: at D = 128 a paged cache runs
-    # them in one block (half the blocks, so more splits fill the card), a contiguous one in two.
-    contiguous = splits(64, 32, 1, 4, 128, 4096)
-    paged = splits(64, 32, 1, 4, 128, 4096, paged=True)
-    assert (contiguous, paged) == (1, 2)
-    # At D = 64 both layouts take blocks of 128 rows; at D = 256 neither does.
-    assert splits(64, 32, 1, 4, 64, 4096) == splits(64, 32, 1, 4, 64, 4096, paged=True) == 2
-    assert splits(64, 32, 1, 4, 256, 4096) == splits(64, 32, 1, 4, 256, 4096, paged=True) == 1
-    # 64 packed rows or fewer: one block of rows either way.
-    assert splits(64, 32, 8, 4, 128, 4096) == splits(64, 32, 8, 4, 128, 4096, paged=True)
+def test_mqa_with_several_tokens_takes_blocks_of_128_rows_up_to_d128():
+    # 32 query heads x 4 tokens = 128 packed rows on one KV head: at D <= 128 one block takes
+    # them all (64 blocks for 64 rows of the batch, so 2 splits fill the card); at D = 256, whose
+    # Q lives in shared memory, two blocks of 64 rows do (128 blocks: no split).
+    assert splits(64, 32, 1, 4, 128, 4096) == 2
+    assert splits(64, 32, 1, 4, 64, 4096) == 2
+    assert splits(64, 32, 1, 4, 256, 4096) == 1
+    # 64 packed rows or fewer (32/8 x 4 tokens = 16): one block of rows, 512 blocks, no split.
+    assert splits(64, 32, 8, 4, 128, 4096) == 1

@@ -338,7 +338,7 @@ def kvcache_num_splits(q, k_cache, page_table=None, num_splits: int = 0) -> int:
     capacity = (page_table.shape[-1] * k_cache.shape[-3] if page_table is not None
                 else k_cache.shape[-3])
     return int(_tk.kvcache_num_splits(math.prod(lead) * batch, heads_q, k_cache.shape[-2], seq_q,
-                                      head_dim, capacity, page_table is not None, multiprocessor_count(),
+                                      head_dim, capacity, multiprocessor_count(),
                                       int(num_splits)))
 
 

@@ -6,11 +6,10 @@
 // heads_kv), so one pass over a KV head's keys serves all of them. A block owns 64 packed rows of
 // one (batch row, KV head) and one split of its keys (several splits when batch x heads_kv
 // cannot fill the card; the combine pass merges them), or 128 packed rows where a KV head has
-// more than 64 (MQA with several tokens) in a paged cache or at D = 64 (consumer_groups in
-// kvcache.cu): then two consumer warpgroups share the K/V tiles, read once for all 128. It has
-// two roles:
+// more than 64 (MQA with several tokens) at D <= 128 (consumer_groups in kvcache.cu): then two
+// consumer warpgroups share the K/V tiles, read once for all 128. It has two roles:
 //   - a producer warp streams key tiles of K and V into rings of shared-memory stages with TMA:
-//     from a contiguous cache, boxes of 16 rows of one 64-column panel, a box a lane; from a
+//     from a contiguous cache, boxes of a few rows of one 64-column panel, a box a lane; from a
 //     paged one, one box a tile where pages hold a tile or more, else one box a page and
 //     64-column panel, the page ids read from the page table 32 at a time across the warp;
 //   - one consumer warpgroup per 64 rows (Q in registers, or in shared memory at D = 256) runs
@@ -20,7 +19,7 @@
 //     with c = scale log2(e); the next tile's scores are issued before this tile's P V.
 // Out: O / l and lse = ln 2 (c m + log2 l), straight into o and lse with one split, else as the
 // split's partial result into the workspace (split_workspace.cuh).
-// One block an SM (decode_config says why); a two-warpgroup block has twice the stages.
+// One block an SM (decode_config says why, and how many stages a block has).
 #pragma once
 
 #include <algorithm>
@@ -39,22 +38,25 @@ using namespace kittens;
 // Packed query rows per consumer warpgroup: the M of its products.
 constexpr int PACKED_ROWS = 64;
 // A contiguous cache's key tiles are loaded as boxes of this many rows of one 64-column panel,
-// a box a lane of the producer warp, not as one box a tile: at D = 64 (a tile of 128 rows of
-// 128 bytes, rows a KV head apart) one box a tile read 2.33-2.58 TB/s where 16-row boxes read
-// 2.67-2.87 (B 1 and 8, 128k keys, 32/8 and 64/8; 32-row boxes 2.47-2.64, 8-row 2.34-2.60);
-// D = 128 within noise at 16 and 32 rows, slower at 8 (H100, same runs).
-constexpr int CONTIGUOUS_BOX_ROWS = 16;
+// a box a lane of the producer warp. At D = 64 (a tile of 128 rows of 128 bytes, rows a KV head
+// apart) one box a tile read 2.33-2.58 TB/s where 16-row boxes read 2.67-2.87 (B 1 and 8, 128k
+// keys, 32/8 and 64/8; 32-row boxes 2.47-2.64, 8-row 2.34-2.60; H100, same runs). At D = 128
+// the 64-key tiles read within noise at 16 and 32 rows (H100), and the 128-key tiles of two
+// warpgroups read 3.48 TB/s in 16-row boxes where 64-row pages read 4.00 (H200, B64 S128k MQA).
+constexpr int contiguous_box_rows(int head_dim) { return head_dim == 64 ? 16 : 64; }
 
 template <int D, int GROUPS>
 struct decode_config {
   static_assert(GROUPS == 1 || (GROUPS == 2 && D <= 128), "two consumer warpgroups only at D <= 128");
-  static constexpr int KV = keys_per_tile(D);  // keys per tile
+  static constexpr int KV = keys_per_tile(D, GROUPS);  // keys per tile
   static constexpr int ROWS = PACKED_ROWS * GROUPS;  // packed rows per block
   // One block an SM (ncu: its registers and shared memory leave no room for a second; the
-  // register file's four sub-partitions hold 16K registers each). Stages of 32 KB at D <= 128,
-  // 64 KB at D = 256: three for one consumer warpgroup, six for two.
+  // register file's four sub-partitions hold 16K registers each). K/V tiles in flight: three
+  // for one consumer warpgroup (stages of 32 KB, 64 KB at D = 256), for two as many as 192 KB
+  // hold (six stages of 32 KB at D = 64, three of 64 KB at D = 128).
   static constexpr int BLOCKS_PER_SM = 1;
-  static constexpr int STAGES = 3 * GROUPS;  // K/V tiles in flight per block
+  static constexpr int STAGE_BYTES = 2 * KV * D * 2;  // K and V tiles of 2-byte elements
+  static constexpr int STAGES = GROUPS == 1 ? 3 : 192 * 1024 / STAGE_BYTES;
   // Q stays in registers for the whole walk, except at D = 256 where O alone takes 128
   // registers a thread: there it is read from shared memory by each product.
   static constexpr bool Q_IN_SHARED = D == 256;
@@ -192,7 +194,7 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS>& s, const
     }
   };
   if (!p.paged) {  // lane j loads box j: rows [j % ROW_BOXES * BOX, + BOX) of panel j / ROW_BOXES
-    constexpr int BOX = CONTIGUOUS_BOX_ROWS, ROW_BOXES = KV / BOX, BOXES = ROW_BOXES * D / 64;
+    constexpr int BOX = contiguous_box_rows(D), ROW_BOXES = KV / BOX, BOXES = ROW_BOXES * D / 64;
     static_assert(KV % BOX == 0 && BOXES <= WARP_THREADS, "a box a lane");
     const int panel = lane / ROW_BOXES, row = lane % ROW_BOXES * BOX;
     for (int i = 0; i < w.tiles(); i++) {

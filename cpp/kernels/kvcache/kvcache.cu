@@ -16,17 +16,18 @@ static int64_t packed_rows(int64_t heads_q, int64_t heads_kv, int64_t seq_q) {
   return heads_q / std::max<int64_t>(heads_kv, 1) * seq_q;
 }
 
-// Consumer warpgroups a block runs: two where a KV head has more than 64 packed rows, so that
-// its keys are read once for 128 of them, in a paged cache or at D = 64; else one (always at
-// D = 256, whose Q lives in shared memory). Measured (H100, MQA with 4 tokens, same runs):
-// blocks of 64 rows that read the same keys ran paged at 0.56-0.67x of contiguous, two
-// warpgroups at 0.88-0.99x; at D = 64 (128-key tiles: twice the softmax work a byte) two
-// warpgroups were also the faster contiguous (2.3-2.6 TB/s against 1.9-2.05 in the >= 256 MiB
-// cells); at D = 128 contiguous, blocks of 64 rows were the faster (by 5-17%: their second
-// read of a key tile comes from L2, and the larger blocks need key splits).
-static int consumer_groups(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, bool paged) {
+// Consumer warpgroups a block runs: two where a KV head has more than 64 packed rows (MQA with
+// several tokens), so that its keys are read once for 128 of them; else one (always at D = 256,
+// whose Q lives in shared memory). Measured, MQA with 4 tokens: on an H100, blocks of 64 rows
+// that read the same keys ran paged at 0.56-0.67x of contiguous, two warpgroups at 0.88-0.99x;
+// at D = 64 (128-key tiles: twice the softmax work a byte) two warpgroups were the faster
+// contiguous too (2.3-2.6 TB/s against 1.9-2.05 in the >= 256 MiB cells). At D = 128 the H100
+// once had contiguous blocks of 64 rows 5-17% faster; on an H200 (same runs, 128 MiB-1 GiB
+// cells) they read 1.71-1.97 TB/s, bound by their products (each block multiplies every key
+// tile), and two warpgroups 2.49-3.09, with 128-key tiles (keys_per_tile) 2.57-3.44.
+static int consumer_groups(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim) {
   const bool many_rows = packed_rows(heads_q, heads_kv, seq_q) > PACKED_ROWS;
-  return many_rows && (head_dim == 64 || (paged && head_dim == 128)) ? 2 : 1;
+  return many_rows && head_dim <= 128 ? 2 : 1;
 }
 
 static int64_t blocks_per_sm(int64_t head_dim, int groups) {
@@ -39,21 +40,21 @@ static int64_t blocks_per_sm(int64_t head_dim, int groups) {
 }
 
 // Blocks per (batch row, KV head, split): the packed rows in tiles of one block's rows.
-static int64_t query_row_tiles(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, bool paged) {
-  const int64_t rows = PACKED_ROWS * consumer_groups(heads_q, heads_kv, seq_q, head_dim, paged);
+static int64_t query_row_tiles(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim) {
+  const int64_t rows = PACKED_ROWS * consumer_groups(heads_q, heads_kv, seq_q, head_dim);
   return (packed_rows(heads_q, heads_kv, seq_q) + rows - 1) / rows;
 }
 
 int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int64_t capacity,
-               bool paged, int multiprocessors, int64_t requested) {
-  const int64_t kv = keys_per_tile(int(head_dim));
+               int multiprocessors, int64_t requested) {
+  const int groups = consumer_groups(heads_q, heads_kv, seq_q, head_dim);
+  const int64_t kv = keys_per_tile(int(head_dim), groups);
   const int64_t tiles = std::max<int64_t>((capacity + kv - 1) / kv, 1);
   const int64_t most = std::min<int64_t>(MAX_SPLITS, tiles);
   if (requested > 0) return int(std::min(requested, most));
   // Blocks without splits: one per (batch row, KV head, PACKED_ROWS query rows). When they fill
   // the card, splitting only adds work.
-  const int groups = consumer_groups(heads_q, heads_kv, seq_q, head_dim, paged);
-  const int64_t blocks = batch * heads_kv * query_row_tiles(heads_q, heads_kv, seq_q, head_dim, paged);
+  const int64_t blocks = batch * heads_kv * query_row_tiles(heads_q, heads_kv, seq_q, head_dim);
   if (multiprocessors < 1 || blocks < 1 || blocks >= multiprocessors) return 1;
   // Else split the keys, so that the blocks keep every multiprocessor streaming to the end:
   // with n = blocks x splits spread evenly, the busy fraction of the last round is
@@ -105,7 +106,7 @@ const char* unsupported(const Params& p) {
       return "too many pages (2^31 or more)";
   }
   const int64_t blocks =
-      query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged) * p.num_splits * p.heads_kv * p.batch;
+      query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, p.head_dim) * p.num_splits * p.heads_kv * p.batch;
   if (blocks >= (int64_t(1) << 31)) return "too many blocks for one grid";
   return nullptr;
 }
@@ -123,8 +124,8 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   if (p.capacity > 0) {  // else no block loads anything
     bool ok;
     if (!p.paged) {
-      // Boxes of CONTIGUOUS_BOX_ROWS rows of one 64-column panel (decode_kernel.cuh says why).
-      const int capacity = int(p.capacity), box = CONTIGUOUS_BOX_ROWS;
+      // Boxes of contiguous_box_rows(D) rows of one 64-column panel (decode_kernel.cuh says why).
+      const int capacity = int(p.capacity), box = contiguous_box_rows(D);
       ok = tma::make_bshd_map(&args.k, p.k, type, 2, p.batch, capacity, p.heads_kv, D, box, 64) &&
            tma::make_bshd_map(&args.v, p.v, type, 2, p.batch, capacity, p.heads_kv, D, box, 64);
     } else {
@@ -139,7 +140,7 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   }
   args.p = p;
   const int blocks =
-      int(query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, D, p.paged) * p.num_splits * p.heads_kv * p.batch);
+      int(query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, D) * p.num_splits * p.heads_kv * p.batch);
   const int smem = int(sizeof(decode_shared<T, D, GROUPS>)) + 1024;
   static_assert(sizeof(decode_shared<T, D, GROUPS>) + 1024 <= 227 * 1024 / config::BLOCKS_PER_SM - 1024,
                 "the blocks of an SM must fit its shared memory");
@@ -166,7 +167,7 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
 
 template <typename T>
 static cudaError_t decode_dim(const Params& p, cudaStream_t stream) {
-  const bool two = consumer_groups(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged) == 2;
+  const bool two = consumer_groups(p.heads_q, p.heads_kv, p.seq_q, p.head_dim) == 2;
   switch (p.head_dim) {
     case 64: return two ? decode_typed<T, 64, 2>(p, stream) : decode_typed<T, 64, 1>(p, stream);
     case 128: return two ? decode_typed<T, 128, 2>(p, stream) : decode_typed<T, 128, 1>(p, stream);
