@@ -24,7 +24,8 @@ static int64_t packed_rows(int64_t heads_q, int64_t heads_kv, int64_t seq_q) {
 // contiguous too (2.3-2.6 TB/s against 1.9-2.05 in the >= 256 MiB cells). At D = 128 the H100
 // once had contiguous blocks of 64 rows 5-17% faster; on an H200 (same runs, 128 MiB-1 GiB
 // cells) they read 1.71-1.97 TB/s, bound by their products (each block multiplies every key
-// tile), and two warpgroups 2.49-3.09, with 128-key tiles (keys_per_tile) 2.57-3.44.
+// tile), and two warpgroups 2.49-3.09 (then with 128-key tiles, keys_per_tile, and 64-row
+// boxes, 2.51-3.76 in the 128 MiB-4 GiB cells).
 static int consumer_groups(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim) {
   const bool many_rows = packed_rows(heads_q, heads_kv, seq_q) > PACKED_ROWS;
   return many_rows && head_dim <= 128 ? 2 : 1;
