@@ -155,7 +155,8 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   // waits for that kernel's results first thing).
   const int64_t rows = split_workspace::rows(p.batch, p.heads_q, p.seq_q);
   cudaLaunchConfig_t launch{};
-  launch.gridDim = dim3(unsigned((rows + COMBINE_THREADS / 32 - 1) / (COMBINE_THREADS / 32)));
+  const int64_t rows_per_block = COMBINE_THREADS / 32 / combine_warps_per_row(p.num_splits);
+  launch.gridDim = dim3(unsigned((rows + rows_per_block - 1) / rows_per_block));
   launch.blockDim = dim3(COMBINE_THREADS);
   launch.stream = stream;
   cudaLaunchAttribute overlap{};
