@@ -8,10 +8,9 @@
 // cannot fill the card; the combine pass merges them), or 128 packed rows where a KV head has
 // more than 64 (MQA with several tokens) at D <= 128 (consumer_groups in kvcache.cu): then two
 // consumer warpgroups share the K/V tiles, read once for all 128. It has two roles:
-//   - a producer warp streams key tiles of K and V into rings of shared-memory stages with TMA:
-//     from a contiguous cache, boxes of a few rows of one 64-column panel, a box a lane; from a
-//     paged one, one box a tile where pages hold a tile or more, else one box a page and
-//     64-column panel, the page ids read from the page table 32 at a time across the warp;
+//   - a producer warp streams key tiles of K and V into rings of shared-memory stages with TMA,
+//     as boxes of a few rows of one 64-column panel (at most a page), a box a lane; a paged
+//     cache's page ids are read from the page table 32 at a time across the warp;
 //   - one consumer warpgroup per 64 rows (Q in registers, or in shared memory at D = 256) runs
 //     the online softmax over the tiles, as the attention forward does:
 //       S = Q K^T;  m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
@@ -37,13 +36,15 @@ using namespace kittens;
 
 // Packed query rows per consumer warpgroup: the M of its products.
 constexpr int PACKED_ROWS = 64;
-// A contiguous cache's key tiles are loaded as boxes of this many rows of one 64-column panel,
-// a box a lane of the producer warp. At D = 64 (a tile of 128 rows of 128 bytes, rows a KV head
-// apart) one box a tile read 2.33-2.58 TB/s where 16-row boxes read 2.67-2.87 (B 1 and 8, 128k
-// keys, 32/8 and 64/8; 32-row boxes 2.47-2.64, 8-row 2.34-2.60; H100, same runs). At D = 128
-// the 64-key tiles read within noise at 16 and 32 rows (H100), and the 128-key tiles of two
-// warpgroups read 3.48 TB/s in 16-row boxes where 64-row pages read 4.00 (H200, B64 S128k MQA).
-constexpr int contiguous_box_rows(int head_dim) { return head_dim == 64 ? 16 : 64; }
+// Key tiles are loaded as boxes of this many rows of one 64-column panel (fewer where pages are
+// smaller), a box a lane of the producer warp. At D = 64 (a tile of 128 rows of 128 bytes, rows
+// a KV head apart) one box a tile read 2.33-2.58 TB/s where 16-row boxes read 2.67-2.87 (B 1
+// and 8, 128k keys, 32/8 and 64/8; 32-row boxes 2.47-2.64, 8-row 2.34-2.60; H100, same runs).
+// At D = 128 the 64-key tiles read within noise at 16 and 32 rows (H100), and the 128-key
+// tiles of two warpgroups read 3.48 TB/s in 16-row boxes where 64-row pages read 4.00 (H200,
+// B64 S128k MQA). Pages of a tile or more were loaded as one box of all panels: at D = 128 on
+// an H200 such 64-key pages read 3.2 TB/s where these boxes read 4.1 (B8 S32k 32/8, same run).
+constexpr int tile_box_rows(int head_dim) { return head_dim == 64 ? 16 : 64; }
 
 template <int D, int GROUPS>
 struct decode_config {
@@ -193,49 +194,35 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS>& s, const
       load(kv == 0 ? s.k[stage] : s.v[stage], kv == 0 ? args.k : args.v, ring.full[stage]);
     }
   };
-  if (!p.paged) {  // lane j loads box j: rows [j % ROW_BOXES * BOX, + BOX) of panel j / ROW_BOXES
-    constexpr int BOX = contiguous_box_rows(D), ROW_BOXES = KV / BOX, BOXES = ROW_BOXES * D / 64;
-    static_assert(KV % BOX == 0 && BOXES <= WARP_THREADS, "a box a lane");
-    const int panel = lane / ROW_BOXES, row = lane % ROW_BOXES * BOX;
+  // Every tile is loaded as boxes of `box` rows of one 64-column panel, a box a lane: lane j
+  // loads rows [j % row_boxes * box, + box) of panel j / row_boxes. A box never crosses a page.
+  const int box = p.paged ? min(p.page_size, tile_box_rows(D)) : tile_box_rows(D);
+  const int row_boxes = KV / box, panel = lane / row_boxes, row = lane % row_boxes * box;
+  const bool boxed = lane < row_boxes * (D / 64);
+  static_assert(KV / 16 * (D / 64) <= WARP_THREADS, "a box a lane, pages of 16 keys included");
+  auto box_of = [&](auto& tile) { return tile.data + (panel * KV + row) * 64; };
+  if (!p.paged) {
     for (int i = 0; i < w.tiles(); i++) {
-      const int k0 = (w.first_tile + i) * KV;
+      const int key = (w.first_tile + i) * KV + row;
       k_and_v(i, s.k_ring.slot(i), sizeof(s.k[0]), [&](auto& tile, const CUtensorMap& map, tma::barrier& full) {
-        if (lane < BOXES)
-          tma::load_async(tile.data + (panel * KV + row) * 64, map, full, 0, k0 + row, panel, w.kv_h, w.b);
+        if (boxed) tma::load_async(box_of(tile), map, full, 0, key, panel, w.kv_h, w.b);
       });
     }
     return;
   }
+  // Boxes of pages that hold no key below seqlen are not loaded (their table entries may be
+  // anything); the consumers zero those rows of V.
   if (w.tiles() == 0) return;
   page_window pages = page_window::of(p, w, w.first_tile * KV / p.page_size);
-  if (p.page_size >= KV) {  // a tile lies inside one page: one box
-    for (int i = 0; i < w.tiles(); i++) {
-      const int k0 = (w.first_tile + i) * KV, stage = s.k_ring.slot(i);
-      pages.advance_to(k0 / p.page_size);
-      const int page = pages.page_of(k0 / p.page_size), row = k0 % p.page_size;
-      if (lane == 0) {
-        tma::load_async(&s.k[stage], args.k, s.k_ring.fill(i, sizeof(s.k[0])), 0, row, 0, w.kv_h, page);
-        tma::load_async(&s.v[stage], args.v, s.v_ring.fill(i, sizeof(s.v[0])), 0, row, 0, w.kv_h, page);
-      }
-    }
-    return;
-  }
-  // Pages smaller than a tile: lane j loads page j of the tile, panel by panel, into rows
-  // [j page_size, (j + 1) page_size) of the stage. Pages holding no key below seqlen are not
-  // loaded (their table entries may be anything); the consumers zero those rows of V.
-  const int pages_per_tile = KV / p.page_size;
-  const uint32_t page_bytes = uint32_t(p.page_size) * D * sizeof(T);
+  const uint32_t box_bytes = uint32_t(box) * 64 * sizeof(T);
   for (int i = 0; i < w.tiles(); i++) {
-    const int k0 = (w.first_tile + i) * KV, stage = s.k_ring.slot(i), first_page = k0 / p.page_size;
-    const int loaded = min(pages_per_tile, (w.seqlen - k0 + p.page_size - 1) / p.page_size);
-    pages.advance_to(first_page);
-    const int page = pages.page_of(first_page + min(lane, pages_per_tile - 1));
-    k_and_v(i, stage, loaded * page_bytes, [&](auto& tile, const CUtensorMap& map, tma::barrier& full) {
-      if (lane < loaded) {
-#pragma unroll
-        for (int panel = 0; panel < D / 64; panel++)
-          tma::load_async(tile.data + (panel * KV + lane * p.page_size) * 64, map, full, 0, 0, panel, w.kv_h, page);
-      }
+    const int k0 = (w.first_tile + i) * KV, key = k0 + row, logical_page = key / p.page_size;
+    pages.advance_to(k0 / p.page_size);
+    const int page = pages.page_of(logical_page);
+    const bool load = boxed && logical_page * p.page_size < w.seqlen;
+    const uint32_t bytes = __popc(__ballot_sync(0xffffffffu, load)) * box_bytes;
+    k_and_v(i, s.k_ring.slot(i), bytes, [&](auto& tile, const CUtensorMap& map, tma::barrier& full) {
+      if (load) tma::load_async(box_of(tile), map, full, 0, key % p.page_size, panel, w.kv_h, page);
     });
   }
 }
