@@ -13,6 +13,8 @@
 # Usage: scripts/experiments/ab_bench.sh "<python3 -m bench attention arguments>" m c c m
 #   e.g. scripts/experiments/ab_bench.sh "--d 128 --t 4k,16k --reps 7" m c c m
 #   AB_SUITE=based scripts/experiments/ab_bench.sh "--t 2k,8k --no-decode" m c c m
+#   AB_SUITE=decode AB_CONTENDERS=tk,tk_paged64 scripts/experiments/ab_bench.sh "--d 128" m c c m
+#     (tk's contenders to time: tk alone unless AB_CONTENDERS names others)
 # Prints a table last: one row per cell, the mean TFLOP/s (attention, gqa, packed), Mtoken/s
 # (based) or TB/s (decode) of each variant over its rounds, and each round's number. The log
 # (and the table so far, ab_table.md) go to $OUT when set.
@@ -40,6 +42,8 @@ for round_, variant in enumerate(order, 1):
             speed = metrics.get("tflops", metrics.get("mtokens_per_s", metrics.get("tb_per_s")))
             if o.get("status") == "ok" and speed is not None:
                 key = " ".join(f"{k}={v}" for k, v in sorted(o["config"].items()))
+                if o.get("contender", "tk") != "tk":  # several of tk's contenders: a row each
+                    key = f"{o['contender']} {key}"
                 cells.setdefault(key, {}).setdefault(variant, []).append(speed)
 base = variants[0]
 def fmt(x):  # TFLOP/s and Mtoken/s as integers, TB/s with three digits
@@ -100,7 +104,7 @@ EOF
     continue
   fi
   echo "round $round ($variant): built in $(($(date +%s) - start)) s" | tee -a "$LOG"
-  python3 -m bench "${AB_SUITE:-attention}" $BENCH_ARGS --contenders tk --no-plot \
+  python3 -m bench "${AB_SUITE:-attention}" $BENCH_ARGS --contenders "${AB_CONTENDERS:-tk}" --no-plot \
     --out "$WORK/r$round-$variant" >>"$LOG" 2>&1 || echo "round $round ($variant): bench exit $?" | tee -a "$LOG"
   summarize "${@:1:$round}" >"$(dirname "$LOG")/ab_table.md"
 done
