@@ -246,7 +246,8 @@ def test_many_splits_agree(rng, d):
 @pytest.mark.parametrize("splits", [20, 40], ids=["two-warps-a-row", "four-warps-a-row"])
 def test_rows_merged_by_several_warps_with_a_block_part_empty(rng, splits):
     """Splits enough that the combine pass merges a row with two or four warps; 3 query heads x
-    3 tokens = 9 rows, so the last block of two rows holds one row past the end."""
+    3 tokens = 9 rows, so with two warps a row (two rows a block) the last block's second row
+    is past the end."""
     q, k, v, seqlens = make_case(rng, 1, 5000, 3, 1, 128, 3, jnp.bfloat16, seqlens=[4321])
     check_against_reference(q, k, v, seqlens, scale=0.1, window_left=-1, window_right=0,
                             splits=(splits,))

@@ -25,7 +25,7 @@ constexpr int COMBINE_THREADS = 128;  // four warps a block
 constexpr int LSE_PER_LANE = MAX_SPLITS / 32;
 constexpr int LOADS_IN_FLIGHT = 8;     // splits whose partial rows are requested together
 
-// Warps that merge one row: one up to 16 splits, then one more for each 16, at most a block's.
+// Warps that merge one row: one up to 16 splits, two up to 32, else all four of the block's.
 __host__ __device__ constexpr int combine_warps_per_row(int splits) {
   return splits <= 16 ? 1 : splits <= 32 ? 2 : COMBINE_THREADS / 32;
 }
