@@ -12,6 +12,8 @@ cache arrays:
                   the others (its value is in the table)
   tk_paged<P>     tk's kvcache call on the same buffer seen as pages of P tokens
                   ([B*S/P, P, Hkv, D], a free reshape) through a shuffled page table
+  fa3_paged<P>    FA3 on the same pages and table, at its best num_splits (a baseline: it
+                  says whether a paged cache's cost is the memory system's or the kernel's)
 The device copy rate (read + write bytes of a large elementwise pass / time), measured in the
 same run, is the reference line.
 
@@ -408,11 +410,43 @@ def fa3_contender(splits=FA3_SPLITS) -> Contender:
         prepare=prepare, version=lambda: distribution_version("flash_attn3_jax"))
 
 
+def fa3_paged_contender(page_size: int, splits=FA3_SPLITS) -> Contender:
+    """FA3 on the same pages and shuffled table as tk_paged: is a paged cache's loss against a
+    contiguous one the kernel's or the memory system's?"""
+    def prepare(config: DecodeConfig) -> Runner:
+        if config.d > 128:
+            raise Unsupported(f"the flash_attn3_jax wheel supports head dim <= 128, got {config.d}")
+        if config.cache % page_size:
+            raise Unsupported(f"cache length {config.cache} is not a multiple of {page_size}")
+        from flash_attn3_jax import flash_mha_with_kvcache
+
+        table = page_table(config, page_size)
+
+        def build(n):
+            def step(q, k, v, seqlens, table):
+                pool = (-1, page_size, config.hkv, config.d)
+                return flash_mha_with_kvcache(q, k.reshape(pool), v.reshape(pool),
+                                              cache_seqlens=seqlens, page_table=table,
+                                              is_causal=False, num_splits=n)
+            return decode_runner(step, config, table)
+
+        return fastest_setting({n: functools.partial(build, n) for n in splits},
+                               "num_splits", per_call=config.steps)
+
+    return Contender(
+        name=f"fa3_paged{page_size}",
+        description=f"flash_attn3_jax.flash_mha_with_kvcache on pages of {page_size} tokens, "
+                    f"the shuffled page table of tk_paged{page_size}, at its fastest num_splits",
+        role=BASELINE, unavailable=lambda: module_unavailable("flash_attn3_jax"),
+        prepare=prepare, version=lambda: distribution_version("flash_attn3_jax"))
+
+
 def contenders(tk_backend: str = "kernel", page_sizes=PAGE_SIZES,
                fa3_splits=FA3_SPLITS) -> list[Contender]:
     return ([tk_kvcache_contender(tk_backend), tk_flash_contender(tk_backend),
              cudnn_contender(False), cudnn_contender(True), fa3_contender(fa3_splits)]
-            + [tk_paged_contender(p, tk_backend) for p in page_sizes])
+            + [tk_paged_contender(p, tk_backend) for p in page_sizes]
+            + [fa3_paged_contender(p, fa3_splits) for p in page_sizes])
 
 
 def copy_rate(reps: int, n_bytes: int = COPY_BYTES) -> dict:
@@ -451,14 +485,20 @@ def extra_columns(tk: str, tk_flash: str, page_sizes, tk_backend: str):
         o = row.get("fa3")
         return str(o["metrics"].get("num_splits", "-")) if o and o["status"] == "ok" else "-"
 
-    def paged(row):
-        contiguous = report.metric_of(row, tk, tb_per_s)
+    def paged_over_contiguous(row, contiguous_name, paged_name):
+        contiguous = report.metric_of(row, contiguous_name, tb_per_s)
         cells = []
         for p in page_sizes:
-            value = report.metric_of(row, _tk_name(f"tk_paged{p}", tk_backend), tb_per_s)
+            value = report.metric_of(row, paged_name(p), tb_per_s)
             if value and contiguous:
                 cells.append(f"{p}: {value / contiguous:.2f}")
         return ", ".join(cells) or "-"
+
+    def paged(row):
+        return paged_over_contiguous(row, tk, lambda p: _tk_name(f"tk_paged{p}", tk_backend))
+
+    def fa3_paged(row):
+        return paged_over_contiguous(row, "fa3", lambda p: f"fa3_paged{p}")
 
     def big(row):
         config = next(iter(row.values()))["config"]
@@ -466,7 +506,8 @@ def extra_columns(tk: str, tk_flash: str, page_sizes, tk_backend: str):
         return "yes" if n >= BIG_CELL_BYTES else "no"
 
     return (("tk_flash / best peer", flash_ratio), ("fa3 splits", splits),
-            ("paged / contiguous", paged), (">= 64 MiB", big))
+            ("paged / contiguous", paged), ("fa3 paged / contiguous", fa3_paged),
+            (">= 64 MiB", big))
 
 
 def write_plot(path: str, outcomes: list[dict], contender_names: list[str],

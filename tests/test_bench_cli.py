@@ -685,7 +685,7 @@ def test_new_suites_dry_run(capsys):
     assert "layout long+short: one document of 12288 tokens" in out
     assert main(["decode", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "decode: 35 configurations x 8 contenders" in out and "left out B=64" in out
+    assert "decode: 35 configurations x 11 contenders" in out and "left out B=64" in out
     assert main(["decode", "--full", "--dry-run", "--contenders", "tk,cudnn,fa3"]) == 0
     assert "decode: 140 configurations x 3 contenders" in capsys.readouterr().out
     assert main(["decode", "--dry-run", "--contenders", "nonsense"]) == 2
