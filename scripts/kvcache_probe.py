@@ -7,7 +7,8 @@ contiguous and paged, beside the card's copy bandwidth (read + write of a large 
 Each shape is timed per decode step (--steps of them in one jitted call, so that the host's
 dispatch of a call does not show in small calls), with the kernel's own split count and with
 each count given by --splits.
-bf16, every row's cache full (seqlens = S), causal; paged caches get a shuffled page table.
+bf16, every row's cache full (seqlens = S), causal; paged caches get a shuffled page table
+(--page-order sequential: pages in the buffer's order).
 TB/s = (K and V bytes of the valid keys) / time; a ceiling is the copy rate.
 """
 import argparse
@@ -48,15 +49,17 @@ def copy_bandwidth(n_bytes=1 << 30):
     return 2 * n_bytes / t.median_s
 
 
-def caches(key, b, s, hkv, d, page_size):
-    """k, v [B, S, Hkv, D] bf16 and, with a page size, their paged form and a shuffled table."""
+def caches(key, b, s, hkv, d, page_size, shuffled=True):
+    """k, v [B, S, Hkv, D] bf16 and, with a page size, their paged form and a shuffled table
+    (or, with shuffled=False, the table that reads the pages in the buffer's order)."""
     kk, kv, kp = jax.random.split(key, 3)
     k = jax.random.normal(kk, (b, s, hkv, d), jnp.bfloat16)
     v = jax.random.normal(kv, (b, s, hkv, d), jnp.bfloat16)
     if not page_size:
         return k, v, None
     pages = b * s // page_size
-    perm = jax.random.permutation(kp, pages)  # logical page i lives in physical page perm[i]
+    # logical page i lives in physical page perm[i]
+    perm = jax.random.permutation(kp, pages) if shuffled else jnp.arange(pages)
     inverse = jnp.argsort(perm)
     k = k.reshape(pages, page_size, hkv, d)[inverse]
     v = v.reshape(pages, page_size, hkv, d)[inverse]
@@ -88,6 +91,8 @@ def main():
                         help="BxS:Hq/Hkv list, e.g. 8x32k:32/1,1x128k:32/8")
     parser.add_argument("--page-sizes", default=None,
                         help="cache layouts to time: 0 (contiguous) and page sizes (default 0 and --page-size)")
+    parser.add_argument("--page-order", choices=["shuffled", "sequential"], default="shuffled",
+                        help="page tables: a random permutation of the pages, or the buffer's order")
     args = parser.parse_args()
     ok, why = _ext.kernels_available()
     assert ok, why
@@ -102,7 +107,7 @@ def main():
     for b, s, hq, hkv in args.shapes:
         kv_bytes = 2 * b * s * hkv * d * 2
         for page_size in layouts:
-            k, v, table = caches(key, b, s, hkv, d, page_size)
+            k, v, table = caches(key, b, s, hkv, d, page_size, args.page_order == "shuffled")
             seqlens = jnp.full((b,), s, jnp.int32)
             for tq in [int(x) for x in args.tq.split(",")]:
                 qs = [jax.random.normal(jax.random.fold_in(key, i), (b, tq, hq, d), jnp.bfloat16)
