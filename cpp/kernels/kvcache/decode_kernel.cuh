@@ -36,15 +36,22 @@ using namespace kittens;
 
 // Packed query rows per consumer warpgroup: the M of its products.
 constexpr int PACKED_ROWS = 64;
-// Key tiles are loaded as boxes of this many rows of one 64-column panel (fewer where pages are
-// smaller), a box a lane of the producer warp. At D = 64 (a tile of 128 rows of 128 bytes, rows
-// a KV head apart) one box a tile read 2.33-2.58 TB/s where 16-row boxes read 2.67-2.87 (B 1
-// and 8, 128k keys, 32/8 and 64/8; 32-row boxes 2.47-2.64, 8-row 2.34-2.60; H100, same runs).
-// At D = 128 the 64-key tiles read within noise at 16 and 32 rows (H100), and the 128-key
-// tiles of two warpgroups read 3.48 TB/s in 16-row boxes where 64-row pages read 4.00 (H200,
-// B64 S128k MQA). Pages of a tile or more were loaded as one box of all panels: at D = 128 on
-// an H200 such 64-key pages read 3.2 TB/s where these boxes read 4.1 (B8 S32k 32/8, same run).
+// Key tiles are loaded as boxes of rows of one 64-column panel, a box a lane of the producer
+// warp. A contiguous cache's boxes: at D = 64 (a tile of 128 rows of 128 bytes, rows a KV head
+// apart) one box a tile read 2.33-2.58 TB/s where 16-row boxes read 2.67-2.87 (B 1 and 8, 128k
+// keys, 32/8 and 64/8; 32-row boxes 2.47-2.64, 8-row 2.34-2.60; H100, same runs). At D = 128
+// the 64-key tiles read within noise at 16 and 32 rows (H100), and the 128-key tiles of two
+// warpgroups read 3.48 TB/s in 16-row boxes where 64-row pages read 4.00 (H200, B64 S128k MQA).
 constexpr int tile_box_rows(int head_dim) { return head_dim == 64 ? 16 : 64; }
+
+// A paged cache's boxes: a page, at most 64 rows (a box never crosses a page). Each box looks
+// its page up, and tiles of fewer boxes read faster: at D = 64, 64-row boxes read 3.57 TB/s for
+// 64-key pages and 3.56 for 256-key pages where 16-row boxes read 2.67 and 2.77 (contiguous
+// 3.54-3.60; H200, B8 S32k 32/8, one token, same run). But not one box of all panels: pages of
+// a tile or more loaded that way read 3.2 TB/s at D = 128 where these boxes read 4.1 (H200).
+constexpr int box_rows(int head_dim, bool paged, int page_size) {
+  return !paged ? tile_box_rows(head_dim) : page_size < 64 ? page_size : 64;
+}
 
 template <int D, int GROUPS>
 struct decode_config {
@@ -196,7 +203,7 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS>& s, const
   };
   // Every tile is loaded as boxes of `box` rows of one 64-column panel, a box a lane: lane j
   // loads rows [j % row_boxes * box, + box) of panel j / row_boxes. A box never crosses a page.
-  const int box = p.paged ? min(p.page_size, tile_box_rows(D)) : tile_box_rows(D);
+  const int box = box_rows(D, p.paged, p.page_size);
   const int row_boxes = KV / box, panel = lane / row_boxes, row = lane % row_boxes * box;
   const bool boxed = lane < row_boxes * (D / 64);
   static_assert(KV / 16 * (D / 64) <= WARP_THREADS, "a box a lane, pages of 16 keys included");

@@ -123,14 +123,15 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   const bool bf = std::is_same_v<T, bf16>;
   const auto type = bf ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   if (p.capacity > 0) {  // else no block loads anything
-    // Boxes of tile_box_rows(D) rows (or a page) of one 64-column panel: decode_kernel.cuh says why.
+    // Boxes of box_rows(...) rows of one 64-column panel: decode_kernel.cuh says why.
+    const int box = box_rows(D, p.paged, p.page_size);
     bool ok;
     if (!p.paged) {
-      const int capacity = int(p.capacity), box = tile_box_rows(D);
+      const int capacity = int(p.capacity);
       ok = tma::make_bshd_map(&args.k, p.k, type, 2, p.batch, capacity, p.heads_kv, D, box, 64) &&
            tma::make_bshd_map(&args.v, p.v, type, 2, p.batch, capacity, p.heads_kv, D, box, 64);
     } else {  // pages as the batch axis of a [pages, page_size, heads_kv, D] tensor
-      const int pages = p.batch / p.rows_per_pool * p.pages_per_pool, box = std::min(p.page_size, tile_box_rows(D));
+      const int pages = p.batch / p.rows_per_pool * p.pages_per_pool;
       ok = tma::make_bshd_map(&args.k, p.k, type, 2, pages, p.page_size, p.heads_kv, D, box, 64) &&
            tma::make_bshd_map(&args.v, p.v, type, 2, pages, p.page_size, p.heads_kv, D, box, 64);
     }
