@@ -36,21 +36,21 @@ using namespace kittens;
 
 // Packed query rows per consumer warpgroup: the M of its products.
 constexpr int PACKED_ROWS = 64;
-// Key tiles are loaded as boxes of rows of one 64-column panel, a box a lane of the producer
-// warp. A contiguous cache's boxes: at D = 64 (a tile of 128 rows of 128 bytes, rows a KV head
-// apart) one box a tile read 2.33-2.58 TB/s where 16-row boxes read 2.67-2.87 (B 1 and 8, 128k
-// keys, 32/8 and 64/8; 32-row boxes 2.47-2.64, 8-row 2.34-2.60; H100, same runs). At D = 128
-// the 64-key tiles read within noise at 16 and 32 rows (H100), and the 128-key tiles of two
-// warpgroups read 3.48 TB/s in 16-row boxes where 64-row pages read 4.00 (H200, B64 S128k MQA).
-constexpr int tile_box_rows(int head_dim) { return head_dim == 64 ? 16 : 64; }
-
-// A paged cache's boxes: a page, at most 64 rows (a box never crosses a page). Each box looks
-// its page up, and tiles of fewer boxes read faster: at D = 64, 64-row boxes read 3.57 TB/s for
+// Key tiles are loaded as boxes of this many rows of one 64-column panel, a box a lane of the
+// producer warp.
+// A contiguous cache's: at D = 64 (a tile of 128 rows of 128 bytes, rows a KV head apart) one
+// box a tile read 2.33-2.58 TB/s where 16-row boxes read 2.67-2.87 (B 1 and 8, 128k keys, 32/8
+// and 64/8; 32-row boxes 2.47-2.64, 8-row 2.34-2.60; H100, same runs). At D = 128 the 64-key
+// tiles read within noise at 16 and 32 rows (H100), and the 128-key tiles of two warpgroups
+// read 3.48 TB/s in 16-row boxes where 64-row pages read 4.00 (H200, B64 S128k MQA).
+// A paged cache's: a page, at most 64 rows (a box never crosses a page). Each box looks its
+// page up, and tiles of fewer boxes read faster: at D = 64, 64-row boxes read 3.57 TB/s for
 // 64-key pages and 3.56 for 256-key pages where 16-row boxes read 2.67 and 2.77 (contiguous
 // 3.54-3.60; H200, B8 S32k 32/8, one token, same run). But not one box of all panels: pages of
 // a tile or more loaded that way read 3.2 TB/s at D = 128 where these boxes read 4.1 (H200).
 constexpr int box_rows(int head_dim, bool paged, int page_size) {
-  return !paged ? tile_box_rows(head_dim) : page_size < 64 ? page_size : 64;
+  if (!paged) return head_dim == 64 ? 16 : 64;
+  return page_size < 64 ? page_size : 64;
 }
 
 template <int D, int GROUPS>
