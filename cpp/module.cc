@@ -93,7 +93,7 @@ NB_MODULE(_tk, m) {
   m.attr("kvcache_page_sizes") = nb::tuple(kvcache_page_sizes);
   m.attr("kvcache_max_splits") = tk::kvcache::MAX_SPLITS;
   m.def("kvcache_num_splits", &tk::kvcache::num_splits, nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_kv"),
-        nb::arg("seq_q"), nb::arg("head_dim"), nb::arg("capacity"), nb::arg("multiprocessors"),
+        nb::arg("seq_q"), nb::arg("head_dim"), nb::arg("capacity"), nb::arg("page_size"), nb::arg("multiprocessors"),
         nb::arg("requested"),
         "Key splits of tk_attention_kvcache: `requested` (> 0) capped at what the cache allows, or for 0 the "
         "kernel's own choice for this many multiprocessors.");

@@ -186,16 +186,20 @@ def test_contiguous_cache(rng, dtype, d, heads, tq):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
-@pytest.mark.parametrize("heads,tq", [((8, 2), 1), ((32, 1), 4), ((8, 8), 16)], ids=["gqa4-t1", "mqa-t4", "mha-t16"])
+@pytest.mark.parametrize("heads,tq", [((16, 4), 1), ((32, 1), 4), ((8, 8), 16)], ids=["gqa4-t1", "mqa-t4", "mha-t16"])
 def test_paged_cache_matches_contiguous_bit_for_bit(rng, d, page_size, heads, tq):
     """A paged cache (shuffled pages, NaN in spare pages, garbage table entries past each row's
     last page) against the reference, and bit for bit against the same cache laid out
-    contiguously with the same splits: the kernel walks the same key tiles either way."""
+    contiguously with the same splits where the kernel walks the same key tiles either way:
+    pages of 64 keys or more (smaller pages may be read several KV heads a block, in tiles of
+    fewer keys each)."""
     hq, hkv = heads
     q, k, v, seqlens = make_case(rng, 3, 300, hq, hkv, d, tq, jnp.bfloat16)
     k_pages, v_pages, table, k_full, v_full = page(rng, k, v, seqlens, page_size)
     kw = dict(scale=1 / math.sqrt(d), window_left=-1, window_right=0)
     paged = check_against_reference(q, k_pages, v_pages, seqlens, table, splits=(1, 3), **kw)
+    if page_size < 64:
+        return
     for n in (1, 3):
         o, lse = run_kernel(q, k_full, v_full, seqlens, num_splits=n, **kw)
         np.testing.assert_array_equal(paged[n][0], o, err_msg=f"paged vs contiguous o, num_splits={n}")
@@ -218,15 +222,16 @@ WINDOWS = [(-1, -1), (-1, 0), (100, 0), (37, 5), (64, -1), (-1, 3), (0, 0), (2, 
 
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
 @pytest.mark.parametrize("tq", [1, 4, 16])
-@pytest.mark.parametrize("paged", [False, True])
-def test_windows(rng, window, tq, paged):
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+def test_windows(rng, window, tq, page_size):
     """Every window against the reference, with lengths shorter than Tq (queries at negative
-    positions see nothing under a causal mask) and a cache long enough for several tiles."""
-    q, k, v, seqlens = make_case(rng, 5, 900, 16, 2, 128, tq, jnp.bfloat16,
+    positions see nothing under a causal mask) and a cache long enough for several tiles;
+    contiguous, and paged (16-key pages are read four KV heads a block up to 4 tokens)."""
+    q, k, v, seqlens = make_case(rng, 5, 900, 16, 4, 128, tq, jnp.bfloat16,
                                  seqlens=[0, 900, 3, 1 + rng.integers(899), tq // 2])
     table = None
-    if paged:
-        k, v, table, _, _ = page(rng, k, v, seqlens, 64)
+    if page_size:
+        k, v, table, _, _ = page(rng, k, v, seqlens, page_size)
     check_against_reference(q, k, v, seqlens, table, scale=1 / math.sqrt(128),
                             window_left=window[0], window_right=window[1], splits=(1, 5))
 
@@ -299,6 +304,34 @@ def test_nan_in_visible_keys_reaches_the_row(rng):
         o, lse = np.asarray(o.astype(jnp.float32)), np.asarray(lse)
         assert np.isnan(lse[0]).all() and np.isnan(o[0]).all(), n
         assert np.isfinite(lse[1]).all() and np.isfinite(o[1]).all(), n
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_nan_in_one_kv_heads_cache_reaches_only_its_rows(rng, page_size, which):
+    """A NaN in K or V of one KV head at a visible key makes NaN in that head's query rows only
+    (all of o for K, its column for V), even where a block reads several KV heads' pages."""
+    q, k, v, seqlens = make_case(rng, 2, 300, 16, 4, 128, 1, jnp.bfloat16, seqlens=[300, 300])
+    cache = (k if which == "k" else v).astype(np.float32)
+    cache[0, 123, 1, 5] = np.nan  # batch row 0, KV head 1: query heads 4-7
+    if which == "k":
+        k = cache.astype(jnp.bfloat16)
+    else:
+        v = cache.astype(jnp.bfloat16)
+    table = None
+    if page_size:
+        k, v, table, _, _ = page(rng, k, v, seqlens, page_size)
+    for n in (1, 4):
+        o, lse = run_kernel(q, k, v, seqlens, table, scale=0.1, window_left=-1, window_right=-1, num_splits=n)
+        nan_rows = np.zeros(o.shape, bool)  # [B, Tq, Hq, D]
+        if which == "k":
+            nan_rows[0, :, 4:8, :] = True
+        else:
+            nan_rows[0, :, 4:8, 5] = True
+        np.testing.assert_array_equal(np.isnan(o), nan_rows, err_msg=f"NaN in o, num_splits={n}")
+        assert np.isnan(lse[0, 4:8]).all() == (which == "k"), n
+        lse_rest = np.delete(lse, np.s_[4:8], axis=1) if which == "k" else lse
+        assert np.isfinite(lse_rest[0]).all() and np.isfinite(lse[1]).all(), n
 
 
 def test_vmap_folds_leading_axes_with_one_page_pool_each(rng):

@@ -10,10 +10,11 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None,
 SMS = 132  # an H100 SXM
 
 
-def splits(batch, heads_q, heads_kv, seq_q, head_dim, capacity, *, sms=SMS, requested=0):
+def splits(batch, heads_q, heads_kv, seq_q, head_dim, capacity, *, page_size=0, sms=SMS, requested=0):
     from tk_jax import _tk
 
-    return _tk.kvcache_num_splits(batch, heads_q, heads_kv, seq_q, head_dim, capacity, sms, requested)
+    return _tk.kvcache_num_splits(batch, heads_q, heads_kv, seq_q, head_dim, capacity, page_size, sms,
+                                  requested)
 
 
 def test_a_requested_count_is_capped_by_the_key_tiles_and_the_most_allowed():
@@ -47,3 +48,17 @@ def test_mqa_with_several_tokens_takes_blocks_of_128_rows_up_to_d128():
     assert splits(64, 32, 1, 4, 256, 4096) == 1
     # 64 packed rows or fewer (32/8 x 4 tokens = 16): one block of rows, 512 blocks, no split.
     assert splits(64, 32, 8, 4, 128, 4096) == 1
+
+
+def test_pages_under_64_keys_are_read_four_kv_heads_a_block():
+    # 32/8, one token, 16-key pages: a block takes 4 KV heads (16 blocks before splitting, where
+    # a contiguous cache has 64), in tiles of 16 keys of each at D = 128.
+    n = splits(8, 32, 8, 1, 128, 32768, page_size=16)
+    assert 16 * n <= SMS and 16 * n >= 0.9 * SMS, n
+    assert splits(8, 32, 8, 1, 128, 32768) == 2
+    assert splits(8, 32, 8, 1, 128, 32768, page_size=64) == 2
+    assert splits(1, 8, 4, 1, 128, 2000, page_size=16, requested=10**6) == 125
+    assert splits(1, 8, 4, 1, 128, 2000, page_size=64, requested=10**6) == 32
+    # Not where a head's rows fill more than a warp's 16, or KV heads do not come in fours
+    assert splits(1, 16, 4, 8, 128, 2000, page_size=16, requested=10**6) == 32
+    assert splits(1, 8, 2, 1, 128, 2000, page_size=16, requested=10**6) == 32

@@ -337,8 +337,9 @@ def kvcache_num_splits(q, k_cache, page_table=None, num_splits: int = 0) -> int:
     *lead, batch, seq_q, heads_q, head_dim = q.shape
     capacity = (page_table.shape[-1] * k_cache.shape[-3] if page_table is not None
                 else k_cache.shape[-3])
+    page_size = k_cache.shape[-3] if page_table is not None else 0
     return int(_tk.kvcache_num_splits(math.prod(lead) * batch, heads_q, k_cache.shape[-2], seq_q,
-                                      head_dim, capacity, multiprocessor_count(),
+                                      head_dim, capacity, page_size, multiprocessor_count(),
                                       int(num_splits)))
 
 

@@ -16,6 +16,9 @@
 //       S = Q K^T;  m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
 //       O = 2^(c m - c m') O + P V
 //     with c = scale log2(e); the next tile's scores are issued before this tile's P V.
+// Paged caches with pages under 64 keys, where a KV head's packed rows fit 16: a block owns four
+// KV heads (heads_per_block), its boxes a page of all four, and each consumer warp one head's
+// rows, on that head's rows of the tiles only (attend_own_head).
 // Out: O / l and lse = ln 2 (c m + log2 l), straight into o and lse with one split, else as the
 // split's partial result into the workspace (split_workspace.cuh).
 // One block an SM (decode_config says why, and how many stages a block has).
@@ -51,6 +54,25 @@ constexpr int PACKED_ROWS = 64;
 constexpr int box_rows(int head_dim, bool paged, int page_size) {
   if (!paged) return head_dim == 64 ? 16 : 64;
   return page_size < 64 ? page_size : 64;
+}
+
+// KV heads a block reads together. Pages smaller than 64 keys, read in boxes of one KV head, a
+// page each with its lookup (2 KB boxes at 16 keys), ran at ~0.74x of contiguous caches. A
+// block of several KV heads loads each page of all of them at once (one lookup, boxes of
+// heads x page_size rows), and each of its consumer warps runs one KV head's rows on that
+// head's rows of the tile: one warp's 16 rows must hold the head's query heads x tokens, and
+// its O (D fp32 a row) fit beside Q in registers (D <= 128). HEAD_WARPS heads (the consumer
+// warpgroup's warps), or 1: the warpgroup runs one head's rows. H200, B8 S32k 32/8 and 64/8,
+// one token, mirrored rounds of one run: 16-key pages 2.86 -> 3.78-3.81 TB/s at D = 128 and
+// 2.63 -> 3.72-3.74 at D = 64 (contiguous 3.83-3.88 and 3.55-3.58), 32-key pages 3.70 -> 3.81
+// and 3.34 -> 3.68.
+constexpr int HEAD_WARPS = 4;
+// Keys of a box of several heads: a page, at most a tile's keys of each head.
+constexpr int several_heads_box(int page_size, int tile_keys) { return page_size < tile_keys ? page_size : tile_keys; }
+constexpr int heads_per_block(int heads_q, int heads_kv, int seq_q, int head_dim, bool paged, int page_size) {
+  const bool several = paged && page_size < 64 && head_dim <= 128 && heads_kv % HEAD_WARPS == 0 &&
+                       heads_q / heads_kv * seq_q <= 16;
+  return several ? HEAD_WARPS : 1;
 }
 
 template <int D, int GROUPS>
@@ -93,51 +115,65 @@ struct decode_shared {
 };
 
 struct DecodeArgs {
-  CUtensorMap k, v;  // boxes: a key tile of all columns, or (pages smaller than a tile) a page of one panel
+  CUtensorMap k, v;  // boxes of one 64-column panel: box_rows(...) rows of one KV head, or of HEAD_WARPS
   Params p;
 };
 
 // A window bound as wide as any cache: keeps the arithmetic on key positions inside int.
 constexpr int UNBOUNDED = 1 << 30;
 
-// What one block does: packed rows [row0, row0 + rows) of (batch row b, KV head kv_h), and key
-// tiles [first_tile, end_tile), its split's share of the tiles any of its rows can see.
+// What one block does: packed rows [row0, row0 + rows) of (batch row b, KV heads [kv_h, kv_h +
+// heads)), and key tiles [first_tile, end_tile), its split's share of the tiles any of its rows
+// can see. A tile of KV rows holds `keys` = KV / heads keys of each of its heads. With one head,
+// packed row r is token r / group of query head kv_h group + r % group; with several, warp h of
+// the consumers holds head kv_h + h's packed rows (all tokens).
 struct block_work {
-  int b, kv_h, split, row0, rows, seqlen, first_tile, end_tile;
+  int b, kv_h, heads, keys, split, row0, rows, seqlen, first_tile, end_tile;
   // A tile whose first key k0 is below mask_below or above mask_above holds keys that some of
   // the block's rows must not see: it gets element masks.
   int mask_below, mask_above;
 
-  template <int KV, int ROWS>
+  template <int KV, int ROWS, bool SEVERAL_HEADS>
   __device__ static block_work of(const Params& p, int block) {
-    const int group = p.heads_q / p.heads_kv, packed = group * p.seq_q;
-    const int row_tiles = (packed + ROWS - 1) / ROWS;
     block_work w;
+    w.heads = SEVERAL_HEADS ? HEAD_WARPS : 1;
+    w.keys = KV / w.heads;
+    const int group = p.heads_q / p.heads_kv, packed = group * p.seq_q;
+    const int row_tiles = SEVERAL_HEADS ? 1 : (packed + ROWS - 1) / ROWS;
     w.row0 = block % row_tiles * ROWS;
     block /= row_tiles;
     w.split = block % p.num_splits;
     block /= p.num_splits;
-    w.kv_h = block % p.heads_kv;
-    w.b = block / p.heads_kv;
-    w.rows = min(ROWS, packed - w.row0);
+    const int head_blocks = p.heads_kv / w.heads;
+    w.kv_h = block % head_blocks * w.heads;
+    w.b = block / head_blocks;
+    w.rows = min(ROWS, packed - w.row0);  // of each head
     w.seqlen = int(min(int64_t(max(p.seqlens[w.b], 0)), p.capacity));
     // Token t sits at position off + t. Keys [lo, hi) are those the first and last tokens of
     // the block's rows reach.
     const int off = w.seqlen - p.seq_q, t_first = w.row0 / group, t_last = (w.row0 + w.rows - 1) / group;
     const int lo = p.window_left >= 0 ? max(0, off + t_first - p.window_left) : 0;
     const int hi = p.window_right >= 0 ? min(w.seqlen, off + t_last + p.window_right + 1) : w.seqlen;
-    const int first = lo / KV, end = hi > lo ? (hi + KV - 1) / KV : first;
+    const int first = lo / w.keys, end = hi > lo ? (hi + w.keys - 1) / w.keys : first;
     const int per_split = (end - first + p.num_splits - 1) / p.num_splits;
     w.first_tile = min(end, first + w.split * per_split);
     w.end_tile = min(end, w.first_tile + per_split);
     // Every row sees keys [off + t_last - window_left, min(seqlen - 1, off + t_first + window_right)].
     w.mask_below = p.window_left >= 0 ? off + t_last - p.window_left : -UNBOUNDED;
-    w.mask_above = min(w.seqlen - 1, p.window_right >= 0 ? off + t_first + p.window_right : UNBOUNDED) - (KV - 1);
+    w.mask_above = min(w.seqlen - 1, p.window_right >= 0 ? off + t_first + p.window_right : UNBOUNDED) - (w.keys - 1);
     return w;
   }
   __device__ int tiles() const { return end_tile - first_tile; }
+  __device__ int first_key(int i) const { return (first_tile + i) * keys; }  // of use i's tile
   __device__ bool masked(int k0) const { return k0 < mask_below || k0 > mask_above; }
 };
+
+// The tile row of the tile's key `key` of the block's head h, where the tile is loaded in
+// boxes of `box` keys of the block's `heads` heads: a box lands as `heads` runs of `box` rows,
+// one a head. (One head: row `key`.)
+__device__ __forceinline__ int tile_row(int key, int h, int box, int heads) {
+  return key / box * box * heads + h * box + key % box;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Producer
@@ -201,16 +237,17 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS>& s, const
       load(kv == 0 ? s.k[stage] : s.v[stage], kv == 0 ? args.k : args.v, ring.full[stage]);
     }
   };
-  // Every tile is loaded as boxes of `box` rows of one 64-column panel, a box a lane: lane j
-  // loads rows [j % row_boxes * box, + box) of panel j / row_boxes. A box never crosses a page.
-  const int box = box_rows(D, p.paged, p.page_size);
-  const int row_boxes = KV / box, panel = lane / row_boxes, row = lane % row_boxes * box;
-  const bool boxed = lane < row_boxes * (D / 64);
+  // Every tile is loaded as boxes of `box` keys of the block's heads in one 64-column panel, a
+  // box a lane: lane j loads keys [j % key_boxes * box, + box) of the tile's, panel j /
+  // key_boxes (tile_row says where they land). A box never crosses a page.
+  const int box = w.heads == 1 ? box_rows(D, p.paged, p.page_size) : several_heads_box(p.page_size, w.keys);
+  const int key_boxes = w.keys / box, panel = lane / key_boxes, row = lane % key_boxes * box;
+  const bool boxed = lane < key_boxes * (D / 64);
   static_assert(KV / 16 * (D / 64) <= WARP_THREADS, "a box a lane, pages of 16 keys included");
-  auto box_of = [&](auto& tile) { return tile.data + (panel * KV + row) * 64; };
+  auto box_of = [&](auto& tile) { return tile.data + (panel * KV + tile_row(row, 0, box, w.heads)) * 64; };
   if (!p.paged) {
     for (int i = 0; i < w.tiles(); i++) {
-      const int key = (w.first_tile + i) * KV + row;
+      const int key = w.first_key(i) + row;
       k_and_v(i, s.k_ring.slot(i), sizeof(s.k[0]), [&](auto& tile, const CUtensorMap& map, tma::barrier& full) {
         if (boxed) tma::load_async(box_of(tile), map, full, 0, key, panel, w.kv_h, w.b);
       });
@@ -220,10 +257,10 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS>& s, const
   // Boxes of pages that hold no key below seqlen are not loaded (their table entries may be
   // anything); the consumers zero those rows of V.
   if (w.tiles() == 0) return;
-  page_window pages = page_window::of(p, w, w.first_tile * KV / p.page_size);
-  const uint32_t box_bytes = uint32_t(box) * 64 * sizeof(T);
+  page_window pages = page_window::of(p, w, w.first_key(0) / p.page_size);
+  const uint32_t box_bytes = uint32_t(box) * w.heads * 64 * sizeof(T);
   for (int i = 0; i < w.tiles(); i++) {
-    const int k0 = (w.first_tile + i) * KV, key = k0 + row, logical_page = key / p.page_size;
+    const int k0 = w.first_key(i), key = k0 + row, logical_page = key / p.page_size;
     pages.advance_to(k0 / p.page_size);
     const int page = pages.page_of(logical_page);
     const bool load = boxed && logical_page * p.page_size < w.seqlen;
@@ -249,10 +286,12 @@ struct lane_rows {
     lane_rows r;
 #pragma unroll
     for (int down = 0; down < 2; down++) {
-      const int local = 16 * warpid() + fragment_row(down), packed = w.row0 + local;
+      // With several heads, warp h's rows are head kv_h + h's
+      const int local = w.heads == 1 ? 16 * warpid() + fragment_row(down) : fragment_row(down);
+      const int packed = w.row0 + local, kv_head = w.heads == 1 ? w.kv_h : w.kv_h + warpid();
       r.valid[down] = local < w.rows;
       r.token[down] = packed / group;
-      r.head[down] = w.kv_h * group + packed % group;
+      r.head[down] = kv_head * group + packed % group;
     }
     return r;
   }
@@ -432,19 +471,96 @@ __device__ __forceinline__ void attend(decode_shared<T, D, GROUPS>& s, const Par
   store_rows<T, D>(o, m, l, c, p, w, rows);
 }
 
+// Rows [n, 16) of a 16-key tile of V in mma's B order become zeros: lane l holds keys 2 (l % 4)
+// and + 1 of each 8x8 matrix (data[0..1]: keys 0-7, data[2..3]: keys 8-15), as packed pairs.
+template <typename T, int C>
+__device__ __forceinline__ void zero_keys_from(rt<T, 16, C, layout::col>& v, int n) {
+  const int key = 2 * (laneid() % 4);
+#pragma unroll
+  for (int j = 0; j < C / 16; j++)
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const int k = key + (r >= 2 ? 8 : 0);
+      uint32_t& x = as_u32(v.tiles[0][j].data[r]);
+      if (k >= n) x &= 0xffff0000u;  // the first of the pair is the low half
+      if (k + 1 >= n) x &= 0x0000ffffu;
+    }
+}
+
+// A consumer warp of a block of HEAD_WARPS KV heads: attention of its head's rows over the
+// block's key tiles, on that head's rows of each tile only (so a NaN in another head's K or V
+// never meets these rows), with the warp's own mma.sync products, 16 keys at a time:
+//   S = Q K_h^T;  m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
+//   O = 2^(c m - c m') O + P V_h
+template <typename T, int D>
+__device__ __forceinline__ void attend_own_head(decode_shared<T, D, 1>& s, const Params& p, const block_work& w) {
+  constexpr int KEYS = decode_config<D, 1>::KV / HEAD_WARPS;  // of each head in a tile
+  const float c = p.scale * LOG2E;
+  const int h = warpid(), box = several_heads_box(p.page_size, KEYS);
+  auto row_of = [&](int key) { return tile_row(key, h, box, HEAD_WARPS); };
+  const lane_rows rows = lane_rows::of(p, w);
+  int key_lo[2], key_hi[2];  // keys each of the lane's rows sees
+#pragma unroll
+  for (int down = 0; down < 2; down++) {
+    const int pos = w.seqlen - p.seq_q + rows.token[down];
+    key_lo[down] = p.window_left >= 0 ? pos - p.window_left : -UNBOUNDED;
+    key_hi[down] = min(w.seqlen - 1, p.window_right >= 0 ? pos + p.window_right : UNBOUNDED);
+  }
+  rt<T, 16, D> q;
+  load_q(q, p, w, rows);
+  rt_fl<16, D> o;
+  row_vec<16> m, l, rescale;
+  zero(o);
+  map(m, [](float) { return NEG_INF; });
+  map(l, [](float) { return 0.f; });
+
+  for (int i = 0; i < w.tiles(); i++) {
+    const int k0 = w.first_key(i);
+    rt_fl<16, KEYS> scores;
+    zero(scores);
+    int stage = s.k_ring.acquire(i);
+#pragma unroll
+    for (int j = 0; j < KEYS / 16; j++) {
+      rt<T, 16, D> k;
+      load(k, s.k[stage], row_of(16 * j), 0);
+#pragma unroll
+      for (int d = 0; d < D / 16; d++) detail::mma_base(scores.tiles[0][j], q.tiles[0][d], k.tiles[0][d]);
+    }
+    s.k_ring.release(i);
+    if (w.masked(k0)) mask_keys(scores, key_lo, key_hi, k0);
+    const bool rescaled = attention::online_softmax_step(scores, m, l, rescale, c);
+    if (rescaled && i > 0) mul_row(o, rescale);
+    rt<T, 16, KEYS> probs;
+    copy(probs, scores);
+    stage = s.v_ring.acquire(i);
+#pragma unroll
+    for (int j = 0; j < KEYS / 16; j++) {
+      rt<T, 16, D, layout::col> v;
+      load(v, s.v[stage], row_of(16 * j), 0);
+      // Keys past seqlen (not loaded, or another row's cache) must not reach O through 0 x V
+      if (k0 + 16 * j + 16 > w.seqlen) zero_keys_from(v, w.seqlen - k0 - 16 * j);
+#pragma unroll
+      for (int d = 0; d < D / 16; d++) detail::mma_base(o.tiles[0][d], probs.tiles[0][j], v.tiles[0][d]);
+    }
+    s.v_ring.release(i);
+  }
+  store_rows<T, D>(o, m, l, c, p, w, rows);
+}
+
 // Programmatic dependent launch: this grid lets the combine pass be scheduled while it runs;
 // the combine pass waits for it to finish (and its writes to be visible) before reading.
 __device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::); }
 __device__ __forceinline__ void wait_for_prerequisite_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
-// Block i: packed row tile i % row_tiles, then split, KV head and batch row (block_work::of).
-template <typename T, int D, int GROUPS, typename config = decode_config<D, GROUPS>>
+// Block i: packed row tile i % row_tiles, then split, KV head (or HEAD_WARPS of them, with
+// SEVERAL_HEADS: heads_per_block) and batch row (block_work::of).
+template <typename T, int D, int GROUPS, bool SEVERAL_HEADS, typename config = decode_config<D, GROUPS>>
 __global__ void __launch_bounds__(config::THREADS, 1) __maxnreg__(config::MAX_REGISTERS)
     decode_kernel(const __grid_constant__ DecodeArgs args) {
   allow_dependent_launch();
   extern __shared__ char smem_raw[];
   auto& s = aligned_shared<decode_shared<T, D, GROUPS>>(smem_raw);
-  const block_work w = block_work::of<config::KV, config::ROWS>(args.p, blockIdx.x);
+  const block_work w = block_work::of<config::KV, config::ROWS, SEVERAL_HEADS>(args.p, blockIdx.x);
   if (threadIdx.x == 0) {
     s.k_ring.init(config::CONSUMER_THREADS / 32);  // one release per consumer warp
     s.v_ring.init(config::CONSUMER_THREADS / 32);
@@ -453,6 +569,7 @@ __global__ void __launch_bounds__(config::THREADS, 1) __maxnreg__(config::MAX_RE
   __syncthreads();
   if constexpr (GROUPS == 1) {
     if (threadIdx.x >= config::CONSUMER_THREADS) load_tiles(s, args, w);
+    else if constexpr (SEVERAL_HEADS) attend_own_head(s, args.p, w);
     else attend(s, args.p, w);
   } else if (threadIdx.x >= config::CONSUMER_THREADS) {
     warpgroup::decrease_registers<config::PRODUCER_REGS>();

@@ -40,22 +40,30 @@ static int64_t blocks_per_sm(int64_t head_dim, int groups) {
   }
 }
 
-// Blocks per (batch row, KV head, split): the packed rows in tiles of one block's rows.
-static int64_t query_row_tiles(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim) {
+// KV heads a block reads together (heads_per_block in decode_kernel.cuh); page_size 0 for a
+// contiguous cache.
+static int block_heads(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int64_t page_size) {
+  return heads_per_block(int(heads_q), int(heads_kv), int(seq_q), int(head_dim), page_size > 0, int(page_size));
+}
+
+// Blocks per (batch row, block of KV heads, split): the packed rows in tiles of one block's rows.
+static int64_t query_row_tiles(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int heads) {
+  if (heads > 1) return 1;  // a warp a head
   const int64_t rows = PACKED_ROWS * consumer_groups(heads_q, heads_kv, seq_q, head_dim);
   return (packed_rows(heads_q, heads_kv, seq_q) + rows - 1) / rows;
 }
 
 int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int64_t capacity,
-               int multiprocessors, int64_t requested) {
+               int64_t page_size, int multiprocessors, int64_t requested) {
   const int groups = consumer_groups(heads_q, heads_kv, seq_q, head_dim);
-  const int64_t kv = keys_per_tile(int(head_dim), groups);
+  const int heads = block_heads(heads_q, heads_kv, seq_q, head_dim, page_size);
+  const int64_t kv = keys_per_tile(int(head_dim), groups) / heads;
   const int64_t tiles = std::max<int64_t>((capacity + kv - 1) / kv, 1);
   const int64_t most = std::min<int64_t>(MAX_SPLITS, tiles);
   if (requested > 0) return int(std::min(requested, most));
-  // Blocks without splits: one per (batch row, KV head, PACKED_ROWS query rows). When they fill
-  // the card, splitting only adds work.
-  const int64_t blocks = batch * heads_kv * query_row_tiles(heads_q, heads_kv, seq_q, head_dim);
+  // Blocks without splits: one per (batch row, block of KV heads, PACKED_ROWS query rows). When
+  // they fill the card, splitting only adds work.
+  const int64_t blocks = batch * heads_kv / heads * query_row_tiles(heads_q, heads_kv, seq_q, head_dim, heads);
   if (multiprocessors < 1 || blocks < 1 || blocks >= multiprocessors) return 1;
   // Else split the keys, so that the blocks keep every multiprocessor streaming to the end:
   // with n = blocks x splits spread evenly, the busy fraction of the last round is
@@ -106,13 +114,14 @@ const char* unsupported(const Params& p) {
     if (int64_t(p.batch / p.rows_per_pool) * p.pages_per_pool >= (int64_t(1) << 31))
       return "too many pages (2^31 or more)";
   }
-  const int64_t blocks =
-      query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, p.head_dim) * p.num_splits * p.heads_kv * p.batch;
+  const int heads = block_heads(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged ? p.page_size : 0);
+  const int64_t blocks = query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, heads) * p.num_splits *
+                         p.heads_kv / heads * p.batch;
   if (blocks >= (int64_t(1) << 31)) return "too many blocks for one grid";
   return nullptr;
 }
 
-template <typename T, int D, int GROUPS>
+template <typename T, int D, int GROUPS, bool SEVERAL_HEADS = false>
 static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   using config = decode_config<D, GROUPS>;
   // Window bounds beyond any cache are unbounded; clamped, key positions stay inside int.
@@ -122,29 +131,31 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   DecodeArgs args{};
   const bool bf = std::is_same_v<T, bf16>;
   const auto type = bf ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const int heads = SEVERAL_HEADS ? HEAD_WARPS : 1;
   if (p.capacity > 0) {  // else no block loads anything
-    // Boxes of box_rows(...) rows of one 64-column panel: decode_kernel.cuh says why.
-    const int box = box_rows(D, p.paged, p.page_size);
+    // Boxes of one 64-column panel: box_rows(...) rows of one head, or a page of several
+    // (decode_kernel.cuh says why).
+    const int box = heads == 1 ? box_rows(D, p.paged, p.page_size) : several_heads_box(p.page_size, config::KV / heads);
     bool ok;
     if (!p.paged) {
       const int capacity = int(p.capacity);
-      ok = tma::make_bshd_map(&args.k, p.k, type, 2, p.batch, capacity, p.heads_kv, D, box, 64) &&
-           tma::make_bshd_map(&args.v, p.v, type, 2, p.batch, capacity, p.heads_kv, D, box, 64);
+      ok = tma::make_bshd_map(&args.k, p.k, type, 2, p.batch, capacity, p.heads_kv, D, box, 64, heads) &&
+           tma::make_bshd_map(&args.v, p.v, type, 2, p.batch, capacity, p.heads_kv, D, box, 64, heads);
     } else {  // pages as the batch axis of a [pages, page_size, heads_kv, D] tensor
       const int pages = p.batch / p.rows_per_pool * p.pages_per_pool;
-      ok = tma::make_bshd_map(&args.k, p.k, type, 2, pages, p.page_size, p.heads_kv, D, box, 64) &&
-           tma::make_bshd_map(&args.v, p.v, type, 2, pages, p.page_size, p.heads_kv, D, box, 64);
+      ok = tma::make_bshd_map(&args.k, p.k, type, 2, pages, p.page_size, p.heads_kv, D, box, 64, heads) &&
+           tma::make_bshd_map(&args.v, p.v, type, 2, pages, p.page_size, p.heads_kv, D, box, 64, heads);
     }
     if (!ok) return cudaErrorInvalidValue;
   }
   args.p = p;
   const int blocks =
-      int(query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, D) * p.num_splits * p.heads_kv * p.batch);
+      int(query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, D, heads) * p.num_splits * p.heads_kv / heads * p.batch);
   const int smem = int(sizeof(decode_shared<T, D, GROUPS>)) + 1024;
   static_assert(sizeof(decode_shared<T, D, GROUPS>) + 1024 <= 227 * 1024 / config::BLOCKS_PER_SM - 1024,
                 "the blocks of an SM must fit its shared memory");
   if (cudaError_t err =
-          launch_with_shared<decode_kernel<T, D, GROUPS>>(dim3(blocks), config::THREADS, smem, stream, args);
+          launch_with_shared<decode_kernel<T, D, GROUPS, SEVERAL_HEADS>>(dim3(blocks), config::THREADS, smem, stream, args);
       err != cudaSuccess)
     return err;
   if (p.num_splits == 1) return cudaSuccess;
@@ -168,9 +179,14 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
 template <typename T>
 static cudaError_t decode_dim(const Params& p, cudaStream_t stream) {
   const bool two = consumer_groups(p.heads_q, p.heads_kv, p.seq_q, p.head_dim) == 2;
+  const bool several = block_heads(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged ? p.page_size : 0) > 1;
   switch (p.head_dim) {
-    case 64: return two ? decode_typed<T, 64, 2>(p, stream) : decode_typed<T, 64, 1>(p, stream);
-    case 128: return two ? decode_typed<T, 128, 2>(p, stream) : decode_typed<T, 128, 1>(p, stream);
+    case 64:
+      return two ? decode_typed<T, 64, 2>(p, stream)
+                 : several ? decode_typed<T, 64, 1, true>(p, stream) : decode_typed<T, 64, 1>(p, stream);
+    case 128:
+      return two ? decode_typed<T, 128, 2>(p, stream)
+                 : several ? decode_typed<T, 128, 1, true>(p, stream) : decode_typed<T, 128, 1>(p, stream);
     case 256: return decode_typed<T, 256, 1>(p, stream);
     default: return cudaErrorInvalidValue;
   }

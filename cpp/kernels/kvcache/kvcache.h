@@ -74,10 +74,11 @@ struct Params {
 };
 
 // The key splits a call uses: `requested` (> 0) capped at what the cache's key tiles allow, or
-// for 0 a choice from the grid's size and the card's multiprocessors (one split while
-// batch x heads_kv x query-row tiles fill the card, else enough to fill it).
+// for 0 a choice from the grid's size and the card's multiprocessors (one split while the
+// blocks of one split fill the card, else enough to fill it). page_size: a paged cache's, 0 for
+// a contiguous one.
 int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim,
-               int64_t capacity, int multiprocessors, int64_t requested);
+               int64_t capacity, int64_t page_size, int multiprocessors, int64_t requested);
 
 // Bytes of the workspace output: the partial results of each split (fp32 o and lse), or 0 for
 // one split. Linear in batch.

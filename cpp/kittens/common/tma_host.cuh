@@ -29,17 +29,22 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encoder() {
 // columns panels), a panel being 128 bytes of a row (64 16-bit or 32 fp32 values), so that it
 // lands panel by panel: the shared tile layout of st<T, box_rows, box_cols>. Rows past `seq`
 // read as zeros and are not written. dim and box_cols must be multiples of the panel width.
+// With box_heads > 1 (box_cols one panel) a box spans that many heads from its head
+// coordinate: it lands as box_heads runs of box_rows rows, one a head.
 inline bool make_bshd_map(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, int element_bytes,
-                          int batch, int seq, int heads, int dim, int box_rows, int box_cols) {
+                          int batch, int seq, int heads, int dim, int box_rows, int box_cols, int box_heads = 1) {
   auto encode = encoder();
   const int panel = 128 / element_bytes;
-  if (!encode || dim % panel != 0 || box_cols % panel != 0 || box_cols > dim) return false;
+  if (!encode || dim % panel != 0 || box_cols % panel != 0 || box_cols > dim || box_heads > heads ||
+      (box_heads > 1 && box_cols != panel))
+    return false;
   const uint64_t e = uint64_t(element_bytes);
   const cuuint64_t dims[5] = {cuuint64_t(panel), cuuint64_t(seq), cuuint64_t(dim / panel), cuuint64_t(heads),
                               cuuint64_t(batch)};
   const cuuint64_t strides[4] = {uint64_t(heads) * dim * e, panel * e, uint64_t(dim) * e,
                                  uint64_t(seq) * heads * dim * e};
-  const cuuint32_t box[5] = {cuuint32_t(panel), cuuint32_t(box_rows), cuuint32_t(box_cols / panel), 1, 1};
+  const cuuint32_t box[5] = {cuuint32_t(panel), cuuint32_t(box_rows), cuuint32_t(box_cols / panel),
+                             cuuint32_t(box_heads), 1};
   const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
   const CUresult r = encode(map, type, 5, const_cast<void*>(ptr), dims, strides, box, element_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
