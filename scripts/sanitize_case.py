@@ -6,8 +6,8 @@ compute-sanitizer:
 Tq > Tk: with bottom-right causal alignment the first rows see no key at all, and the backward
 walks several query tiles per key block, so work carried from one step to the next is covered.
 The KV-cache case: one and two consumer warpgroups, contiguous and paged caches (pages smaller
-and larger than a key tile, garbage table entries past each row's pages), lengths 0, partial and
-full, one split and several. The attention backward also runs as its three calls, on a dQ state
+and larger than a key tile, read one, two or four KV heads a block; garbage table entries past
+each row's pages), lengths 0, partial and full, one split and several. The attention backward also runs as its three calls, on a dQ state
 with shifted, wrapping rows."""
 import itertools
 import math
@@ -79,8 +79,10 @@ for dv in (64, 128) if "based" in which else ():  # Based: two chunks, the secon
     grads = _kernels.based_bwd(q, k, v, y, den, jnp.ones_like(y), s0, z0, jnp.ones_like(s), jnp.ones_like(z),
                                normalize=True, eps=1e-6)
     jax.block_until_ready((y, s, z, den, grads))
-# 8/2 x 4 tokens: 16 packed rows, one consumer warpgroup; 32/1 x 4: 128 rows, two at D <= 128.
-for d, (hq, hkv) in itertools.product((64, 128, 256), ((8, 2), (32, 1))) if "kvcache" in which else ():
+# 8/2 x 4 tokens: 16 packed rows, one consumer warpgroup (16-key pages: two KV heads a block);
+# 16/4 x 4: 16 rows a KV head (16-key pages: four a block); 32/1 x 4: 128 rows, two consumer
+# warpgroups at D <= 128.
+for d, (hq, hkv) in itertools.product((64, 128, 256), ((8, 2), (16, 4), (32, 1))) if "kvcache" in which else ():
     b, s, tq = 3, 300, 4
     q = jnp.asarray(rng.standard_normal((b, tq, hq, d)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16) for _ in range(2))

@@ -186,7 +186,8 @@ def test_contiguous_cache(rng, dtype, d, heads, tq):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
-@pytest.mark.parametrize("heads,tq", [((16, 4), 1), ((32, 1), 4), ((8, 8), 16)], ids=["gqa4-t1", "mqa-t4", "mha-t16"])
+@pytest.mark.parametrize("heads,tq", [((16, 4), 1), ((16, 4), 8), ((32, 1), 4), ((8, 8), 16)],
+                         ids=["gqa4-t1", "gqa4-t8", "mqa-t4", "mha-t16"])
 def test_paged_cache_matches_contiguous_bit_for_bit(rng, d, page_size, heads, tq):
     """A paged cache (shuffled pages, NaN in spare pages, garbage table entries past each row's
     last page) against the reference, and bit for bit against the same cache laid out
@@ -308,10 +309,12 @@ def test_nan_in_visible_keys_reaches_the_row(rng):
 
 @pytest.mark.parametrize("page_size", [None, 16, 64])
 @pytest.mark.parametrize("which", ["k", "v"])
-def test_nan_in_one_kv_heads_cache_reaches_only_its_rows(rng, page_size, which):
+@pytest.mark.parametrize("tq", [1, 8])
+def test_nan_in_one_kv_heads_cache_reaches_only_its_rows(rng, page_size, which, tq):
     """A NaN in K or V of one KV head at a visible key makes NaN in that head's query rows only
-    (all of o for K, its column for V), even where a block reads several KV heads' pages."""
-    q, k, v, seqlens = make_case(rng, 2, 300, 16, 4, 128, 1, jnp.bfloat16, seqlens=[300, 300])
+    (all of o for K, its column for V), even where a block reads several KV heads' pages (four
+    with one token, two with eight)."""
+    q, k, v, seqlens = make_case(rng, 2, 300, 16, 4, 128, tq, jnp.bfloat16, seqlens=[300, 300])
     cache = (k if which == "k" else v).astype(np.float32)
     cache[0, 123, 1, 5] = np.nan  # batch row 0, KV head 1: query heads 4-7
     if which == "k":

@@ -50,7 +50,7 @@ def test_mqa_with_several_tokens_takes_blocks_of_128_rows_up_to_d128():
     assert splits(64, 32, 8, 4, 128, 4096) == 1
 
 
-def test_pages_under_64_keys_are_read_four_kv_heads_a_block():
+def test_pages_under_64_keys_are_read_several_kv_heads_a_block():
     # 32/8, one token, 16-key pages: a block takes 4 KV heads (16 blocks before splitting, where
     # a contiguous cache has 64), in tiles of 16 keys of each at D = 128.
     n = splits(8, 32, 8, 1, 128, 32768, page_size=16)
@@ -59,6 +59,9 @@ def test_pages_under_64_keys_are_read_four_kv_heads_a_block():
     assert splits(8, 32, 8, 1, 128, 32768, page_size=64) == 2
     assert splits(1, 8, 4, 1, 128, 2000, page_size=16, requested=10**6) == 125
     assert splits(1, 8, 4, 1, 128, 2000, page_size=64, requested=10**6) == 32
-    # Not where a head's rows fill more than a warp's 16, or KV heads do not come in fours
-    assert splits(1, 16, 4, 8, 128, 2000, page_size=16, requested=10**6) == 32
-    assert splits(1, 8, 2, 1, 128, 2000, page_size=16, requested=10**6) == 32
+    # Two heads (tiles of 32 keys of each) where a head has up to 32 rows, or KV heads come in
+    # twos; one (64-key tiles) beyond
+    assert splits(1, 16, 4, 8, 128, 2000, page_size=16, requested=10**6) == 63
+    assert splits(1, 8, 2, 1, 128, 2000, page_size=16, requested=10**6) == 63
+    assert splits(1, 32, 4, 8, 128, 2000, page_size=16, requested=10**6) == 32
+    assert splits(1, 8, 1, 1, 128, 2000, page_size=16, requested=10**6) == 32

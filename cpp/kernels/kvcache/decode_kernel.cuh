@@ -16,9 +16,9 @@
 //       S = Q K^T;  m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
 //       O = 2^(c m - c m') O + P V
 //     with c = scale log2(e); the next tile's scores are issued before this tile's P V.
-// Paged caches with pages under 64 keys, where a KV head's packed rows fit 16: a block owns four
-// KV heads (heads_per_block), its boxes a page of all four, and each consumer warp one head's
-// rows, on that head's rows of the tiles only (attend_own_head).
+// Paged caches with pages under 64 keys, where a KV head's packed rows fit 16 (or 32): a block
+// owns four (two) KV heads (heads_per_block), its boxes a page of all of them, and each consumer
+// warp 16 of one head's rows, on that head's rows of the tiles only (attend_own_head).
 // Out: O / l and lse = ln 2 (c m + log2 l), straight into o and lse with one split, else as the
 // split's partial result into the workspace (split_workspace.cuh).
 // One block an SM (decode_config says why, and how many stages a block has).
@@ -60,19 +60,21 @@ constexpr int box_rows(int head_dim, bool paged, int page_size) {
 // page each with its lookup (2 KB boxes at 16 keys), ran at ~0.74x of contiguous caches. A
 // block of several KV heads loads each page of all of them at once (one lookup, boxes of
 // heads x page_size rows), and each of its consumer warps runs one KV head's rows on that
-// head's rows of the tile: one warp's 16 rows must hold the head's query heads x tokens, and
-// its O (D fp32 a row) fit beside Q in registers (D <= 128). HEAD_WARPS heads (the consumer
-// warpgroup's warps), or 1: the warpgroup runs one head's rows. H200, B8 S32k 32/8 and 64/8,
-// one token, mirrored rounds of one run: 16-key pages 2.86 -> 3.78-3.81 TB/s at D = 128 and
-// 2.63 -> 3.72-3.74 at D = 64 (contiguous 3.83-3.88 and 3.55-3.58), 32-key pages 3.70 -> 3.81
-// and 3.34 -> 3.68.
-constexpr int HEAD_WARPS = 4;
+// head's rows of the tile, with D <= 128 (its O, D fp32 a row, beside Q in registers): four
+// heads, a warp each, where a head's query heads x tokens fit a warp's 16 rows; two heads, two
+// warps each, where they fit 32; else one (the warpgroup's wgmma over one head's rows). H200,
+// B8 S32k 32/8 and 64/8, mirrored rounds of one run: four heads, 16-key pages, 2.86 ->
+// 3.78-3.81 TB/s at D = 128 and 2.63 -> 3.72-3.74 at D = 64 (contiguous 3.83-3.88 and
+// 3.55-3.58), 32-key pages 3.70 -> 3.81 and 3.34 -> 3.68; two heads (64/8 x 4 tokens, 32/8 x 8),
+// 16-key pages, 2.85 -> 3.16-3.18 at D = 128 and 2.62 -> 2.91-2.94 at D = 64.
+constexpr int HEAD_WARPS = 4;  // the consumer warpgroup's warps
 // Keys of a box of several heads: a page, at most a tile's keys of each head.
 constexpr int several_heads_box(int page_size, int tile_keys) { return page_size < tile_keys ? page_size : tile_keys; }
 constexpr int heads_per_block(int heads_q, int heads_kv, int seq_q, int head_dim, bool paged, int page_size) {
-  const bool several = paged && page_size < 64 && head_dim <= 128 && heads_kv % HEAD_WARPS == 0 &&
-                       heads_q / heads_kv * seq_q <= 16;
-  return several ? HEAD_WARPS : 1;
+  if (!paged || page_size >= 64 || head_dim > 128) return 1;
+  const int rows = heads_q / heads_kv * seq_q;
+  if (rows <= 16 && heads_kv % 4 == 0) return 4;
+  return rows <= 32 && heads_kv % 2 == 0 ? 2 : 1;
 }
 
 template <int D, int GROUPS>
@@ -124,22 +126,22 @@ constexpr int UNBOUNDED = 1 << 30;
 
 // What one block does: packed rows [row0, row0 + rows) of (batch row b, KV heads [kv_h, kv_h +
 // heads)), and key tiles [first_tile, end_tile), its split's share of the tiles any of its rows
-// can see. A tile of KV rows holds `keys` = KV / heads keys of each of its heads. With one head,
-// packed row r is token r / group of query head kv_h group + r % group; with several, warp h of
-// the consumers holds head kv_h + h's packed rows (all tokens).
+// can see. A tile of KV rows holds `keys` = KV / heads keys of each of its heads. Packed row r
+// is token r / group of query head kv_h group + r % group; with several heads, the consumer
+// warps hold HEAD_WARPS / heads warps of 16 rows a head (all tokens): lane_rows.
 struct block_work {
   int b, kv_h, heads, keys, split, row0, rows, seqlen, first_tile, end_tile;
   // A tile whose first key k0 is below mask_below or above mask_above holds keys that some of
   // the block's rows must not see: it gets element masks.
   int mask_below, mask_above;
 
-  template <int KV, int ROWS, bool SEVERAL_HEADS>
+  template <int KV, int ROWS, int HEADS>
   __device__ static block_work of(const Params& p, int block) {
     block_work w;
-    w.heads = SEVERAL_HEADS ? HEAD_WARPS : 1;
-    w.keys = KV / w.heads;
+    w.heads = HEADS;
+    w.keys = KV / HEADS;
     const int group = p.heads_q / p.heads_kv, packed = group * p.seq_q;
-    const int row_tiles = SEVERAL_HEADS ? 1 : (packed + ROWS - 1) / ROWS;
+    const int row_tiles = HEADS > 1 ? 1 : (packed + ROWS - 1) / ROWS;
     w.row0 = block % row_tiles * ROWS;
     block /= row_tiles;
     w.split = block % p.num_splits;
@@ -286,9 +288,10 @@ struct lane_rows {
     lane_rows r;
 #pragma unroll
     for (int down = 0; down < 2; down++) {
-      // With several heads, warp h's rows are head kv_h + h's
-      const int local = w.heads == 1 ? 16 * warpid() + fragment_row(down) : fragment_row(down);
-      const int packed = w.row0 + local, kv_head = w.heads == 1 ? w.kv_h : w.kv_h + warpid();
+      // With several heads, warp i holds rows [16 (i % per_head), + 16) of head kv_h + i / per_head
+      const int per_head = HEAD_WARPS / w.heads, warp_rows = 16 * (w.heads == 1 ? warpid() : warpid() % per_head);
+      const int local = warp_rows + fragment_row(down);
+      const int packed = w.row0 + local, kv_head = w.heads == 1 ? w.kv_h : w.kv_h + warpid() / per_head;
       r.valid[down] = local < w.rows;
       r.token[down] = packed / group;
       r.head[down] = kv_head * group + packed % group;
@@ -487,17 +490,17 @@ __device__ __forceinline__ void zero_keys_from(rt<T, 16, C, layout::col>& v, int
     }
 }
 
-// A consumer warp of a block of HEAD_WARPS KV heads: attention of its head's rows over the
-// block's key tiles, on that head's rows of each tile only (so a NaN in another head's K or V
-// never meets these rows), with the warp's own mma.sync products, 16 keys at a time:
+// A consumer warp of a block of HEADS KV heads: attention of its 16 of its head's rows over
+// the block's key tiles, on that head's rows of each tile only (so a NaN in another head's K or
+// V never meets these rows), with the warp's own mma.sync products, 16 keys at a time:
 //   S = Q K_h^T;  m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
 //   O = 2^(c m - c m') O + P V_h
-template <typename T, int D>
+template <typename T, int D, int HEADS>
 __device__ __forceinline__ void attend_own_head(decode_shared<T, D, 1>& s, const Params& p, const block_work& w) {
-  constexpr int KEYS = decode_config<D, 1>::KV / HEAD_WARPS;  // of each head in a tile
+  constexpr int KEYS = decode_config<D, 1>::KV / HEADS;  // of each head in a tile
   const float c = p.scale * LOG2E;
-  const int h = warpid(), box = several_heads_box(p.page_size, KEYS);
-  auto row_of = [&](int key) { return tile_row(key, h, box, HEAD_WARPS); };
+  const int h = warpid() / (HEAD_WARPS / HEADS), box = several_heads_box(p.page_size, KEYS);
+  auto row_of = [&](int key) { return tile_row(key, h, box, HEADS); };
   const lane_rows rows = lane_rows::of(p, w);
   int key_lo[2], key_hi[2];  // keys each of the lane's rows sees
 #pragma unroll
@@ -552,15 +555,15 @@ __device__ __forceinline__ void attend_own_head(decode_shared<T, D, 1>& s, const
 __device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::); }
 __device__ __forceinline__ void wait_for_prerequisite_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
-// Block i: packed row tile i % row_tiles, then split, KV head (or HEAD_WARPS of them, with
-// SEVERAL_HEADS: heads_per_block) and batch row (block_work::of).
-template <typename T, int D, int GROUPS, bool SEVERAL_HEADS, typename config = decode_config<D, GROUPS>>
+// Block i: packed row tile i % row_tiles, then split, KV head (or HEADS of them:
+// heads_per_block) and batch row (block_work::of).
+template <typename T, int D, int GROUPS, int HEADS, typename config = decode_config<D, GROUPS>>
 __global__ void __launch_bounds__(config::THREADS, 1) __maxnreg__(config::MAX_REGISTERS)
     decode_kernel(const __grid_constant__ DecodeArgs args) {
   allow_dependent_launch();
   extern __shared__ char smem_raw[];
   auto& s = aligned_shared<decode_shared<T, D, GROUPS>>(smem_raw);
-  const block_work w = block_work::of<config::KV, config::ROWS, SEVERAL_HEADS>(args.p, blockIdx.x);
+  const block_work w = block_work::of<config::KV, config::ROWS, HEADS>(args.p, blockIdx.x);
   if (threadIdx.x == 0) {
     s.k_ring.init(config::CONSUMER_THREADS / 32);  // one release per consumer warp
     s.v_ring.init(config::CONSUMER_THREADS / 32);
@@ -569,7 +572,7 @@ __global__ void __launch_bounds__(config::THREADS, 1) __maxnreg__(config::MAX_RE
   __syncthreads();
   if constexpr (GROUPS == 1) {
     if (threadIdx.x >= config::CONSUMER_THREADS) load_tiles(s, args, w);
-    else if constexpr (SEVERAL_HEADS) attend_own_head(s, args.p, w);
+    else if constexpr (HEADS > 1) attend_own_head<T, D, HEADS>(s, args.p, w);
     else attend(s, args.p, w);
   } else if (threadIdx.x >= config::CONSUMER_THREADS) {
     warpgroup::decrease_registers<config::PRODUCER_REGS>();

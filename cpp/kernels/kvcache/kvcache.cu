@@ -48,7 +48,7 @@ static int block_heads(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t
 
 // Blocks per (batch row, block of KV heads, split): the packed rows in tiles of one block's rows.
 static int64_t query_row_tiles(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int heads) {
-  if (heads > 1) return 1;  // a warp a head
+  if (heads > 1) return 1;  // every row of the block's heads
   const int64_t rows = PACKED_ROWS * consumer_groups(heads_q, heads_kv, seq_q, head_dim);
   return (packed_rows(heads_q, heads_kv, seq_q) + rows - 1) / rows;
 }
@@ -121,7 +121,7 @@ const char* unsupported(const Params& p) {
   return nullptr;
 }
 
-template <typename T, int D, int GROUPS, bool SEVERAL_HEADS = false>
+template <typename T, int D, int GROUPS, int HEADS = 1>
 static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   using config = decode_config<D, GROUPS>;
   // Window bounds beyond any cache are unbounded; clamped, key positions stay inside int.
@@ -131,7 +131,7 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   DecodeArgs args{};
   const bool bf = std::is_same_v<T, bf16>;
   const auto type = bf ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const int heads = SEVERAL_HEADS ? HEAD_WARPS : 1;
+  constexpr int heads = HEADS;
   if (p.capacity > 0) {  // else no block loads anything
     // Boxes of one 64-column panel: box_rows(...) rows of one head, or a page of several
     // (decode_kernel.cuh says why).
@@ -155,7 +155,7 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   static_assert(sizeof(decode_shared<T, D, GROUPS>) + 1024 <= 227 * 1024 / config::BLOCKS_PER_SM - 1024,
                 "the blocks of an SM must fit its shared memory");
   if (cudaError_t err =
-          launch_with_shared<decode_kernel<T, D, GROUPS, SEVERAL_HEADS>>(dim3(blocks), config::THREADS, smem, stream, args);
+          launch_with_shared<decode_kernel<T, D, GROUPS, HEADS>>(dim3(blocks), config::THREADS, smem, stream, args);
       err != cudaSuccess)
     return err;
   if (p.num_splits == 1) return cudaSuccess;
@@ -179,14 +179,14 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
 template <typename T>
 static cudaError_t decode_dim(const Params& p, cudaStream_t stream) {
   const bool two = consumer_groups(p.heads_q, p.heads_kv, p.seq_q, p.head_dim) == 2;
-  const bool several = block_heads(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged ? p.page_size : 0) > 1;
+  const int heads = block_heads(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged ? p.page_size : 0);
   switch (p.head_dim) {
     case 64:
-      return two ? decode_typed<T, 64, 2>(p, stream)
-                 : several ? decode_typed<T, 64, 1, true>(p, stream) : decode_typed<T, 64, 1>(p, stream);
+      if (heads > 1) return heads == 4 ? decode_typed<T, 64, 1, 4>(p, stream) : decode_typed<T, 64, 1, 2>(p, stream);
+      return two ? decode_typed<T, 64, 2>(p, stream) : decode_typed<T, 64, 1>(p, stream);
     case 128:
-      return two ? decode_typed<T, 128, 2>(p, stream)
-                 : several ? decode_typed<T, 128, 1, true>(p, stream) : decode_typed<T, 128, 1>(p, stream);
+      if (heads > 1) return heads == 4 ? decode_typed<T, 128, 1, 4>(p, stream) : decode_typed<T, 128, 1, 2>(p, stream);
+      return two ? decode_typed<T, 128, 2>(p, stream) : decode_typed<T, 128, 1>(p, stream);
     case 256: return decode_typed<T, 256, 1>(p, stream);
     default: return cudaErrorInvalidValue;
   }
