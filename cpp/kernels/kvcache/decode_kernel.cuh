@@ -300,6 +300,17 @@ struct lane_rows {
   }
 };
 
+// The keys each of the lane's rows sees: [key_lo[down], key_hi[down]].
+__device__ __forceinline__ void visible_keys(const Params& p, const block_work& w, const lane_rows& rows,
+                                             int (&key_lo)[2], int (&key_hi)[2]) {
+#pragma unroll
+  for (int down = 0; down < 2; down++) {
+    const int pos = w.seqlen - p.seq_q + rows.token[down];
+    key_lo[down] = p.window_left >= 0 ? pos - p.window_left : -UNBOUNDED;
+    key_hi[down] = min(w.seqlen - 1, p.window_right >= 0 ? pos + p.window_right : UNBOUNDED);
+  }
+}
+
 // Q of the lane's rows, straight from global memory into mma fragment order (rows of other
 // blocks or past the end: zeros).
 template <typename T, int D>
@@ -406,13 +417,8 @@ __device__ __forceinline__ void attend(decode_shared<T, D, GROUPS>& s, const Par
   const float c = p.scale * LOG2E;
   const int tiles = w.tiles();
   const lane_rows rows = lane_rows::of(p, w);
-  int key_lo[2], key_hi[2];  // keys each of the lane's rows sees
-#pragma unroll
-  for (int down = 0; down < 2; down++) {
-    const int pos = w.seqlen - p.seq_q + rows.token[down];
-    key_lo[down] = p.window_left >= 0 ? pos - p.window_left : -UNBOUNDED;
-    key_hi[down] = min(w.seqlen - 1, p.window_right >= 0 ? pos + p.window_right : UNBOUNDED);
-  }
+  int key_lo[2], key_hi[2];
+  visible_keys(p, w, rows, key_lo, key_hi);
 
   rt<T, 16, D> q;
   load_q(q, p, w, rows);
@@ -502,13 +508,8 @@ __device__ __forceinline__ void attend_own_head(decode_shared<T, D, 1>& s, const
   const int h = warpid() / (HEAD_WARPS / HEADS), box = several_heads_box(p.page_size, KEYS);
   auto row_of = [&](int key) { return tile_row(key, h, box, HEADS); };
   const lane_rows rows = lane_rows::of(p, w);
-  int key_lo[2], key_hi[2];  // keys each of the lane's rows sees
-#pragma unroll
-  for (int down = 0; down < 2; down++) {
-    const int pos = w.seqlen - p.seq_q + rows.token[down];
-    key_lo[down] = p.window_left >= 0 ? pos - p.window_left : -UNBOUNDED;
-    key_hi[down] = min(w.seqlen - 1, p.window_right >= 0 ? pos + p.window_right : UNBOUNDED);
-  }
+  int key_lo[2], key_hi[2];
+  visible_keys(p, w, rows, key_lo, key_hi);
   rt<T, 16, D> q;
   load_q(q, p, w, rows);
   rt_fl<16, D> o;
