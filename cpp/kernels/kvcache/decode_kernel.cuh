@@ -117,7 +117,7 @@ struct decode_shared {
 };
 
 struct DecodeArgs {
-  CUtensorMap k, v;  // boxes of one 64-column panel: box_rows(...) rows of one KV head, or of HEAD_WARPS
+  CUtensorMap k, v;  // boxes of one 64-column panel: box_rows(...) rows of one KV head, or a page of several
   Params p;
 };
 
@@ -480,7 +480,7 @@ __device__ __forceinline__ void attend(decode_shared<T, D, GROUPS>& s, const Par
   store_rows<T, D>(o, m, l, c, p, w, rows);
 }
 
-// Rows [n, 16) of a 16-key tile of V in mma's B order become zeros: lane l holds keys 2 (l % 4)
+// Keys [n, 16) of a 16-key tile of V in mma's B order become zeros: lane l holds keys 2 (l % 4)
 // and + 1 of each 8x8 matrix (data[0..1]: keys 0-7, data[2..3]: keys 8-15), as packed pairs.
 template <typename T, int C>
 __device__ __forceinline__ void zero_keys_from(rt<T, 16, C, layout::col>& v, int n) {

@@ -131,26 +131,25 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   DecodeArgs args{};
   const bool bf = std::is_same_v<T, bf16>;
   const auto type = bf ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  constexpr int heads = HEADS;
   if (p.capacity > 0) {  // else no block loads anything
     // Boxes of one 64-column panel: box_rows(...) rows of one head, or a page of several
     // (decode_kernel.cuh says why).
-    const int box = heads == 1 ? box_rows(D, p.paged, p.page_size) : several_heads_box(p.page_size, config::KV / heads);
+    const int box = HEADS == 1 ? box_rows(D, p.paged, p.page_size) : several_heads_box(p.page_size, config::KV / HEADS);
     bool ok;
     if (!p.paged) {
       const int capacity = int(p.capacity);
-      ok = tma::make_bshd_map(&args.k, p.k, type, 2, p.batch, capacity, p.heads_kv, D, box, 64, heads) &&
-           tma::make_bshd_map(&args.v, p.v, type, 2, p.batch, capacity, p.heads_kv, D, box, 64, heads);
+      ok = tma::make_bshd_map(&args.k, p.k, type, 2, p.batch, capacity, p.heads_kv, D, box, 64, HEADS) &&
+           tma::make_bshd_map(&args.v, p.v, type, 2, p.batch, capacity, p.heads_kv, D, box, 64, HEADS);
     } else {  // pages as the batch axis of a [pages, page_size, heads_kv, D] tensor
       const int pages = p.batch / p.rows_per_pool * p.pages_per_pool;
-      ok = tma::make_bshd_map(&args.k, p.k, type, 2, pages, p.page_size, p.heads_kv, D, box, 64, heads) &&
-           tma::make_bshd_map(&args.v, p.v, type, 2, pages, p.page_size, p.heads_kv, D, box, 64, heads);
+      ok = tma::make_bshd_map(&args.k, p.k, type, 2, pages, p.page_size, p.heads_kv, D, box, 64, HEADS) &&
+           tma::make_bshd_map(&args.v, p.v, type, 2, pages, p.page_size, p.heads_kv, D, box, 64, HEADS);
     }
     if (!ok) return cudaErrorInvalidValue;
   }
   args.p = p;
   const int blocks =
-      int(query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, D, heads) * p.num_splits * p.heads_kv / heads * p.batch);
+      int(query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, D, HEADS) * p.num_splits * p.heads_kv / HEADS * p.batch);
   const int smem = int(sizeof(decode_shared<T, D, GROUPS>)) + 1024;
   static_assert(sizeof(decode_shared<T, D, GROUPS>) + 1024 <= 227 * 1024 / config::BLOCKS_PER_SM - 1024,
                 "the blocks of an SM must fit its shared memory");
