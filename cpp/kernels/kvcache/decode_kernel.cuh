@@ -64,9 +64,9 @@ constexpr int box_rows(int head_dim, bool paged, int page_size) {
 // heads, a warp each, where a head's query heads x tokens fit a warp's 16 rows; two heads, two
 // warps each, where they fit 32; else one (the warpgroup's wgmma over one head's rows). H200,
 // B8 S32k 32/8 and 64/8, mirrored rounds of one run: four heads, 16-key pages, 2.86 ->
-// 3.78-3.81 TB/s at D = 128 and 2.63 -> 3.72-3.74 at D = 64 (contiguous 3.83-3.88 and
-// 3.55-3.58), 32-key pages 3.70 -> 3.81 and 3.34 -> 3.68; two heads (64/8 x 4 tokens, 32/8 x 8),
-// 16-key pages, 2.85 -> 3.16-3.18 at D = 128 and 2.62 -> 2.91-2.94 at D = 64.
+// 3.78-3.81 TB/s at D = 128 and 2.63 -> 3.66-3.74 at D = 64 (contiguous 3.83-3.88 and
+// 3.55-3.59), 32-key pages 3.70 -> 3.76-3.82 and 3.33 -> 3.61-3.69; two heads (64/8 x 4
+// tokens, 32/8 x 8), 16-key pages, 2.85 -> 3.16-3.18 at D = 128 and 2.62 -> 2.91-2.94 at D = 64.
 constexpr int HEAD_WARPS = 4;  // the consumer warpgroup's warps
 // Keys of a box of several heads: a page, at most a tile's keys of each head.
 constexpr int several_heads_box(int page_size, int tile_keys) { return page_size < tile_keys ? page_size : tile_keys; }
