@@ -7,8 +7,8 @@ Tq > Tk: with bottom-right causal alignment the first rows see no key at all, an
 walks several query tiles per key block, so work carried from one step to the next is covered.
 The KV-cache case: one and two consumer warpgroups, contiguous and paged caches (pages smaller
 and larger than a key tile, read one, two or four KV heads a block; garbage table entries past
-each row's pages), lengths 0, partial and full, one split and several. The attention backward also runs as its three calls, on a dQ state
-with shifted, wrapping rows."""
+each row's pages), lengths 0, partial and full, one split and several. The attention backward
+also runs as its three calls, on a dQ state with shifted, wrapping rows."""
 import itertools
 import math
 import sys
