@@ -39,8 +39,8 @@ using namespace kittens;
 
 // Packed query rows per consumer warpgroup: the M of its products.
 constexpr int PACKED_ROWS = 64;
-// Key tiles are loaded as boxes of this many rows of one 64-column panel, a box a lane of the
-// producer warp.
+// Key tiles are loaded as boxes of this many keys (of each of the block's KV heads) of one
+// 64-column panel, a box a lane of the producer warp; tile_keys: a tile's keys of each head.
 // A contiguous cache's: at D = 64 (a tile of 128 rows of 128 bytes, rows a KV head apart) one
 // box a tile read 2.33-2.58 TB/s where 16-row boxes read 2.67-2.87 (B 1 and 8, 128k keys, 32/8
 // and 64/8; 32-row boxes 2.47-2.64, 8-row 2.34-2.60; H100, same runs). At D = 128 the 64-key
@@ -51,9 +51,10 @@ constexpr int PACKED_ROWS = 64;
 // 64-key pages and 3.56 for 256-key pages where 16-row boxes read 2.67 and 2.77 (contiguous
 // 3.54-3.60; H200, B8 S32k 32/8, one token, same run). But not one box of all panels: pages of
 // a tile or more loaded that way read 3.2 TB/s at D = 128 where these boxes read 4.1 (H200).
-constexpr int box_rows(int head_dim, bool paged, int page_size) {
+constexpr int box_keys(int head_dim, bool paged, int page_size, int tile_keys) {
   if (!paged) return head_dim == 64 ? 16 : 64;
-  return page_size < 64 ? page_size : 64;
+  const int page_box = page_size < 64 ? page_size : 64;
+  return page_box < tile_keys ? page_box : tile_keys;
 }
 
 // KV heads a block reads together. Pages smaller than 64 keys, read in boxes of one KV head, a
@@ -68,8 +69,6 @@ constexpr int box_rows(int head_dim, bool paged, int page_size) {
 // 3.55-3.59), 32-key pages 3.70 -> 3.76-3.82 and 3.33 -> 3.61-3.69; two heads (64/8 x 4
 // tokens, 32/8 x 8), 16-key pages, 2.85 -> 3.16-3.18 at D = 128 and 2.62 -> 2.91-2.94 at D = 64.
 constexpr int HEAD_WARPS = 4;  // the consumer warpgroup's warps
-// Keys of a box of several heads: a page, at most a tile's keys of each head.
-constexpr int several_heads_box(int page_size, int tile_keys) { return page_size < tile_keys ? page_size : tile_keys; }
 constexpr int heads_per_block(int heads_q, int heads_kv, int seq_q, int head_dim, bool paged, int page_size) {
   if (!paged || page_size >= 64 || head_dim > 128) return 1;
   const int rows = heads_q / heads_kv * seq_q;
@@ -117,7 +116,7 @@ struct decode_shared {
 };
 
 struct DecodeArgs {
-  CUtensorMap k, v;  // boxes of one 64-column panel: box_rows(...) rows of one KV head, or a page of several
+  CUtensorMap k, v;  // boxes of one 64-column panel: box_keys(...) keys of the block's KV heads
   Params p;
 };
 
@@ -242,7 +241,7 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS>& s, const
   // Every tile is loaded as boxes of `box` keys of the block's heads in one 64-column panel, a
   // box a lane: lane j loads keys [j % key_boxes * box, + box) of the tile's, panel j /
   // key_boxes (tile_row says where they land). A box never crosses a page.
-  const int box = w.heads == 1 ? box_rows(D, p.paged, p.page_size) : several_heads_box(p.page_size, w.keys);
+  const int box = box_keys(D, p.paged, p.page_size, w.keys);
   const int key_boxes = w.keys / box, panel = lane / key_boxes, row = lane % key_boxes * box;
   const bool boxed = lane < key_boxes * (D / 64);
   static_assert(KV / 16 * (D / 64) <= WARP_THREADS, "a box a lane, pages of 16 keys included");
@@ -505,7 +504,7 @@ template <typename T, int D, int HEADS>
 __device__ __forceinline__ void attend_own_head(decode_shared<T, D, 1>& s, const Params& p, const block_work& w) {
   constexpr int KEYS = decode_config<D, 1>::KV / HEADS;  // of each head in a tile
   const float c = p.scale * LOG2E;
-  const int h = warpid() / (HEAD_WARPS / HEADS), box = several_heads_box(p.page_size, KEYS);
+  const int h = warpid() / (HEAD_WARPS / HEADS), box = box_keys(D, true, p.page_size, KEYS);
   auto row_of = [&](int key) { return tile_row(key, h, box, HEADS); };
   const lane_rows rows = lane_rows::of(p, w);
   int key_lo[2], key_hi[2];

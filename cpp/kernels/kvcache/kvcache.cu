@@ -132,9 +132,9 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   const bool bf = std::is_same_v<T, bf16>;
   const auto type = bf ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   if (p.capacity > 0) {  // else no block loads anything
-    // Boxes of one 64-column panel: box_rows(...) rows of one head, or a page of several
-    // (decode_kernel.cuh says why).
-    const int box = HEADS == 1 ? box_rows(D, p.paged, p.page_size) : several_heads_box(p.page_size, config::KV / HEADS);
+    // Boxes of box_keys(...) keys of the block's heads in one 64-column panel: decode_kernel.cuh
+    // says why.
+    const int box = box_keys(D, p.paged, p.page_size, config::KV / HEADS);
     bool ok;
     if (!p.paged) {
       const int capacity = int(p.capacity);
