@@ -225,6 +225,14 @@ def page_table(config: DecodeConfig, page_size: int, seed: int = 0):
     return jnp.asarray(order.reshape(config.batch, config.cache // page_size))
 
 
+def pages_of(config: DecodeConfig, page_size: int) -> tuple:
+    """The shape of the cell's [B, S, Hkv, D] buffer seen as pages of page_size tokens (a free
+    reshape); Unsupported where S is not a multiple of page_size."""
+    if config.cache % page_size:
+        raise Unsupported(f"cache length {config.cache} is not a multiple of {page_size}")
+    return (-1, page_size, config.hkv, config.d)
+
+
 def decode_runner(step, config: DecodeConfig, *extra, info: dict | None = None) -> Runner:
     """A Runner whose call runs config.steps decode steps, step j attending query set j to
     cache copy j mod config.sets: `step(q, k, v, seqlens, *extra) -> o` (o or a tuple whose
@@ -320,11 +328,9 @@ def tk_paged_contender(page_size: int, backend: str = "kernel") -> Contender:
     def prepare(config: DecodeConfig) -> Runner:
         import tk_jax
 
-        if config.cache % page_size:
-            raise Unsupported(f"cache length {config.cache} is not a multiple of {page_size}")
+        pool = pages_of(config, page_size)
 
         def step(q, k, v, seqlens, table):
-            pool = (-1, page_size, config.hkv, config.d)  # the same buffer, seen as pages
             return tk_jax.flash_attention_with_kvcache(
                 q, k.reshape(pool), v.reshape(pool), seqlens, page_table=table, causal=False,
                 backend=backend)
@@ -384,61 +390,48 @@ def fastest_setting(builders: dict, name: str, *, per_call: int = 1,
     return runner
 
 
-def fa3_contender(splits=FA3_SPLITS) -> Contender:
+def fa3_contender(splits=FA3_SPLITS, page_size: int | None = None) -> Contender:
+    """FA3 at its fastest num_splits; with page_size, on the same pages and shuffled table as
+    tk_paged (a baseline: is a paged cache's loss against a contiguous one the kernel's or the
+    memory system's?)."""
     # flash_attn3_jax.flash_mha_with_kvcache(q, k_cache, v_cache, k=None, v=None,
     # cache_seqlens=None, ..., page_table=None, softmax_scale=None, is_causal=False,
     # window_size=(-1, -1), num_splits=1, return_softmax_lse=False); forward only.
     def prepare(config: DecodeConfig) -> Runner:
         if config.d > 128:
             raise Unsupported(f"the flash_attn3_jax wheel supports head dim <= 128, got {config.d}")
+        paged = page_size is not None
+        pool = pages_of(config, page_size) if paged else None
+        table = page_table(config, page_size) if paged else None
         from flash_attn3_jax import flash_mha_with_kvcache
 
         def build(n):
-            def step(q, k, v, seqlens):
-                return flash_mha_with_kvcache(q, k, v, cache_seqlens=seqlens, is_causal=False,
-                                              num_splits=n)
-            return decode_runner(step, config)
+            if not paged:
+                def step(q, k, v, seqlens):
+                    return flash_mha_with_kvcache(q, k, v, cache_seqlens=seqlens, is_causal=False,
+                                                  num_splits=n)
+                return decode_runner(step, config)
 
-        return fastest_setting({n: functools.partial(build, n) for n in splits},
-                               "num_splits", per_call=config.steps)
-
-    return Contender(
-        name="fa3",
-        description=f"flash_attn3_jax.flash_mha_with_kvcache at the fastest num_splits of "
-                    f"{', '.join(map(str, splits))} (timed briefly first)",
-        role=PEER, unavailable=lambda: module_unavailable("flash_attn3_jax"),
-        prepare=prepare, version=lambda: distribution_version("flash_attn3_jax"))
-
-
-def fa3_paged_contender(page_size: int, splits=FA3_SPLITS) -> Contender:
-    """FA3 on the same pages and shuffled table as tk_paged: is a paged cache's loss against a
-    contiguous one the kernel's or the memory system's?"""
-    def prepare(config: DecodeConfig) -> Runner:
-        if config.d > 128:
-            raise Unsupported(f"the flash_attn3_jax wheel supports head dim <= 128, got {config.d}")
-        if config.cache % page_size:
-            raise Unsupported(f"cache length {config.cache} is not a multiple of {page_size}")
-        from flash_attn3_jax import flash_mha_with_kvcache
-
-        table = page_table(config, page_size)
-
-        def build(n):
-            def step(q, k, v, seqlens, table):
-                pool = (-1, page_size, config.hkv, config.d)
+            def paged_step(q, k, v, seqlens, table):
                 return flash_mha_with_kvcache(q, k.reshape(pool), v.reshape(pool),
                                               cache_seqlens=seqlens, page_table=table,
                                               is_causal=False, num_splits=n)
-            return decode_runner(step, config, table)
+            return decode_runner(paged_step, config, table)
 
         return fastest_setting({n: functools.partial(build, n) for n in splits},
                                "num_splits", per_call=config.steps)
 
-    return Contender(
-        name=f"fa3_paged{page_size}",
-        description=f"flash_attn3_jax.flash_mha_with_kvcache on pages of {page_size} tokens, "
-                    f"the shuffled page table of tk_paged{page_size}, at its fastest num_splits",
-        role=BASELINE, unavailable=lambda: module_unavailable("flash_attn3_jax"),
-        prepare=prepare, version=lambda: distribution_version("flash_attn3_jax"))
+    if page_size is None:
+        name, role = "fa3", PEER
+        description = (f"flash_attn3_jax.flash_mha_with_kvcache at the fastest num_splits of "
+                       f"{', '.join(map(str, splits))} (timed briefly first)")
+    else:
+        name, role = f"fa3_paged{page_size}", BASELINE
+        description = (f"flash_attn3_jax.flash_mha_with_kvcache on pages of {page_size} tokens, "
+                       f"the shuffled page table of tk_paged{page_size}, at its fastest num_splits")
+    return Contender(name=name, description=description, role=role,
+                     unavailable=lambda: module_unavailable("flash_attn3_jax"),
+                     prepare=prepare, version=lambda: distribution_version("flash_attn3_jax"))
 
 
 def contenders(tk_backend: str = "kernel", page_sizes=PAGE_SIZES,
@@ -446,7 +439,7 @@ def contenders(tk_backend: str = "kernel", page_sizes=PAGE_SIZES,
     return ([tk_kvcache_contender(tk_backend), tk_flash_contender(tk_backend),
              cudnn_contender(False), cudnn_contender(True), fa3_contender(fa3_splits)]
             + [tk_paged_contender(p, tk_backend) for p in page_sizes]
-            + [fa3_paged_contender(p, fa3_splits) for p in page_sizes])
+            + [fa3_contender(fa3_splits, p) for p in page_sizes])
 
 
 def copy_rate(reps: int, n_bytes: int = COPY_BYTES) -> dict:
