@@ -46,11 +46,13 @@ static int block_heads(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t
   return heads_per_block(int(heads_q), int(heads_kv), int(seq_q), int(head_dim), page_size > 0, int(page_size));
 }
 
-// Blocks per (batch row, block of KV heads, split): the packed rows in tiles of one block's rows.
-static int64_t query_row_tiles(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int heads) {
-  if (heads > 1) return 1;  // every row of the block's heads
+// Blocks of one key split: one per (batch row, block of `heads` KV heads, tile of a block's
+// packed rows; with several heads a block holds every row of its heads).
+static int64_t split_blocks(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim,
+                            int heads) {
   const int64_t rows = PACKED_ROWS * consumer_groups(heads_q, heads_kv, seq_q, head_dim);
-  return (packed_rows(heads_q, heads_kv, seq_q) + rows - 1) / rows;
+  const int64_t row_tiles = heads > 1 ? 1 : (packed_rows(heads_q, heads_kv, seq_q) + rows - 1) / rows;
+  return batch * (heads_kv / heads) * row_tiles;
 }
 
 int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int64_t capacity,
@@ -61,9 +63,8 @@ int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, 
   const int64_t tiles = std::max<int64_t>((capacity + kv - 1) / kv, 1);
   const int64_t most = std::min<int64_t>(MAX_SPLITS, tiles);
   if (requested > 0) return int(std::min(requested, most));
-  // Blocks without splits: one per (batch row, block of KV heads, PACKED_ROWS query rows). When
-  // they fill the card, splitting only adds work.
-  const int64_t blocks = batch * heads_kv / heads * query_row_tiles(heads_q, heads_kv, seq_q, head_dim, heads);
+  // When the blocks of one split fill the card, splitting only adds work.
+  const int64_t blocks = split_blocks(batch, heads_q, heads_kv, seq_q, head_dim, heads);
   if (multiprocessors < 1 || blocks < 1 || blocks >= multiprocessors) return 1;
   // Else split the keys, so that the blocks keep every multiprocessor streaming to the end:
   // with n = blocks x splits spread evenly, the busy fraction of the last round is
@@ -115,8 +116,7 @@ const char* unsupported(const Params& p) {
       return "too many pages (2^31 or more)";
   }
   const int heads = block_heads(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged ? p.page_size : 0);
-  const int64_t blocks = query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, heads) * p.num_splits *
-                         p.heads_kv / heads * p.batch;
+  const int64_t blocks = split_blocks(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.head_dim, heads) * p.num_splits;
   if (blocks >= (int64_t(1) << 31)) return "too many blocks for one grid";
   return nullptr;
 }
@@ -149,7 +149,7 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   }
   args.p = p;
   const int blocks =
-      int(query_row_tiles(p.heads_q, p.heads_kv, p.seq_q, D, HEADS) * p.num_splits * p.heads_kv / HEADS * p.batch);
+      int(split_blocks(p.batch, p.heads_q, p.heads_kv, p.seq_q, D, HEADS) * p.num_splits);
   const int smem = int(sizeof(decode_shared<T, D, GROUPS>)) + 1024;
   static_assert(sizeof(decode_shared<T, D, GROUPS>) + 1024 <= 227 * 1024 / config::BLOCKS_PER_SM - 1024,
                 "the blocks of an SM must fit its shared memory");
