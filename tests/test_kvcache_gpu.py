@@ -186,8 +186,8 @@ def test_contiguous_cache(rng, dtype, d, heads, tq):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
-@pytest.mark.parametrize("heads,tq", [((16, 4), 1), ((16, 4), 8), ((32, 1), 4), ((8, 8), 16)],
-                         ids=["gqa4-t1", "gqa4-t8", "mqa-t4", "mha-t16"])
+@pytest.mark.parametrize("heads,tq", [((16, 4), 1), ((16, 4), 8), ((12, 6), 4), ((32, 1), 4), ((8, 8), 16)],
+                         ids=["gqa4-t1", "gqa4-t8", "gqa2-t4", "mqa-t4", "mha-t16"])
 def test_paged_cache_matches_contiguous_bit_for_bit(rng, d, page_size, heads, tq):
     """A paged cache (shuffled pages, NaN in spare pages, garbage table entries past each row's
     last page) against the reference, and bit for bit against the same cache laid out
@@ -227,7 +227,8 @@ WINDOWS = [(-1, -1), (-1, 0), (100, 0), (37, 5), (64, -1), (-1, 3), (0, 0), (2, 
 def test_windows(rng, window, tq, page_size):
     """Every window against the reference, with lengths shorter than Tq (queries at negative
     positions see nothing under a causal mask) and a cache long enough for several tiles;
-    contiguous, and paged (16-key pages are read four KV heads a block up to 4 tokens)."""
+    contiguous, and paged (16-key pages are read four KV heads a block up to 4 tokens, one
+    with 16)."""
     q, k, v, seqlens = make_case(rng, 5, 900, 16, 4, 128, tq, jnp.bfloat16,
                                  seqlens=[0, 900, 3, 1 + rng.integers(899), tq // 2])
     table = None
@@ -309,14 +310,17 @@ def test_nan_in_visible_keys_reaches_the_row(rng):
 
 @pytest.mark.parametrize("page_size", [None, 16, 64])
 @pytest.mark.parametrize("which", ["k", "v"])
-@pytest.mark.parametrize("tq", [1, 8])
-def test_nan_in_one_kv_heads_cache_reaches_only_its_rows(rng, page_size, which, tq):
+@pytest.mark.parametrize("heads,tq", [((16, 4), 1), ((16, 4), 8), ((12, 6), 8), ((16, 2), 8)])
+def test_nan_in_one_kv_heads_cache_reaches_only_its_rows(rng, page_size, which, heads, tq):
     """A NaN in K or V of one KV head at a visible key makes NaN in that head's query rows only
-    (all of o for K, its column for V), even where a block reads several KV heads' pages (four
-    with one token, two with eight)."""
-    q, k, v, seqlens = make_case(rng, 2, 300, 16, 4, 128, tq, jnp.bfloat16, seqlens=[300, 300])
+    (all of o for K, its column for V), even where a block reads several KV heads' pages (with
+    16-key pages: 16/4 four heads a warp each with one token, two warps each with eight; 12/6
+    two heads; 16/2 x 8 tokens one head, 64 rows)."""
+    hq, hkv = heads
+    g = hq // hkv
+    q, k, v, seqlens = make_case(rng, 2, 300, hq, hkv, 128, tq, jnp.bfloat16, seqlens=[300, 300])
     cache = (k if which == "k" else v).astype(np.float32)
-    cache[0, 123, 1, 5] = np.nan  # batch row 0, KV head 1: query heads 4-7
+    cache[0, 123, 1, 5] = np.nan  # batch row 0, KV head 1: query heads g to 2 g - 1
     if which == "k":
         k = cache.astype(jnp.bfloat16)
     else:
@@ -328,12 +332,12 @@ def test_nan_in_one_kv_heads_cache_reaches_only_its_rows(rng, page_size, which, 
         o, lse = run_kernel(q, k, v, seqlens, table, scale=0.1, window_left=-1, window_right=-1, num_splits=n)
         nan_rows = np.zeros(o.shape, bool)  # [B, Tq, Hq, D]
         if which == "k":
-            nan_rows[0, :, 4:8, :] = True
+            nan_rows[0, :, g:2 * g, :] = True
         else:
-            nan_rows[0, :, 4:8, 5] = True
+            nan_rows[0, :, g:2 * g, 5] = True
         np.testing.assert_array_equal(np.isnan(o), nan_rows, err_msg=f"NaN in o, num_splits={n}")
-        assert np.isnan(lse[0, 4:8]).all() == (which == "k"), n
-        lse_rest = np.delete(lse, np.s_[4:8], axis=1) if which == "k" else lse
+        assert np.isnan(lse[0, g:2 * g]).all() == (which == "k"), n
+        lse_rest = np.delete(lse, np.s_[g:2 * g], axis=1) if which == "k" else lse
         assert np.isfinite(lse_rest[0]).all() and np.isfinite(lse[1]).all(), n
 
 

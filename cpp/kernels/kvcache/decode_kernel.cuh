@@ -6,7 +6,7 @@
 // heads_kv), so one pass over a KV head's keys serves all of them. A block owns 64 packed rows of
 // one (batch row, KV head) and one split of its keys (several splits when batch x heads_kv
 // cannot fill the card; the combine pass merges them), or 128 packed rows where a KV head has
-// more than 64 (MQA with several tokens) at D <= 128 (consumer_groups in kvcache.cu): then two
+// more than 64 (MQA with several tokens) at D <= 128 (block_shape_of): then two
 // consumer warpgroups share the K/V tiles, read once for all 128. It has two roles:
 //   - a producer warp streams key tiles of K and V into rings of shared-memory stages with TMA,
 //     as boxes of a few rows of one 64-column panel (at most a page), a box a lane; a paged
@@ -16,9 +16,10 @@
 //       S = Q K^T;  m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
 //       O = 2^(c m - c m') O + P V
 //     with c = scale log2(e); the next tile's scores are issued before this tile's P V.
-// Paged caches with pages under 64 keys, where a KV head's packed rows fit 16 (or 32): a block
-// owns four (two) KV heads (heads_per_block), its boxes a page of all of them, and each consumer
-// warp 16 of one head's rows, on that head's rows of the tiles only (attend_own_head).
+// Paged caches with pages under 64 keys, where a KV head's packed rows fit 16 or 32: a block
+// owns several KV heads (block_shape_of), its boxes a page of all of them, and each consumer
+// warp 16 of one head's rows, on that head's rows of the tiles only (attend_own_head; with two
+// consumer warpgroups, two warps a head).
 // Out: O / l and lse = ln 2 (c m + log2 l), straight into o and lse with one split, else as the
 // split's partial result into the workspace (split_workspace.cuh).
 // One block an SM (decode_config says why, and how many stages a block has).
@@ -57,23 +58,41 @@ constexpr int box_keys(int head_dim, bool paged, int page_size, int tile_keys) {
   return page_box < tile_keys ? page_box : tile_keys;
 }
 
-// KV heads a block reads together. Pages smaller than 64 keys, read in boxes of one KV head, a
-// page each with its lookup (2 KB boxes at 16 keys), ran at ~0.74x of contiguous caches. A
-// block of several KV heads loads each page of all of them at once (one lookup, boxes of
-// heads x page_size rows), and each of its consumer warps runs one KV head's rows on that
+// The shape of a block: the KV heads it reads together and its consumer warpgroups.
+// Consumer warpgroups: two where a KV head has more than 64 packed rows (MQA with several
+// tokens) at D <= 128, so that its keys are read once for 128 of them (kvcache.cu's shape_of
+// says what was measured), or where four KV heads take two warps each; else one (always at
+// D = 256, whose Q lives in shared memory).
+// KV heads: pages smaller than 64 keys, read in boxes of one KV head, a page each with its
+// lookup (2 KB boxes at 16 keys), ran at ~0.74x of contiguous caches. A block of several KV
+// heads loads each page of all of them at once (one lookup, boxes of heads x page_size rows),
+// and its consumer warps are dealt out to the heads, each running its head's rows on that
 // head's rows of the tile, with D <= 128 (its O, D fp32 a row, beside Q in registers): four
-// heads, a warp each, where a head's query heads x tokens fit a warp's 16 rows; two heads, two
-// warps each, where they fit 32; else one (the warpgroup's wgmma over one head's rows). H200,
-// B8 S32k 32/8 and 64/8, mirrored rounds of one run: four heads, 16-key pages, 2.86 ->
-// 3.78-3.81 TB/s at D = 128 and 2.63 -> 3.66-3.74 at D = 64 (contiguous 3.83-3.88 and
-// 3.55-3.59), 32-key pages 3.70 -> 3.76-3.82 and 3.33 -> 3.61-3.69; two heads (64/8 x 4
-// tokens, 32/8 x 8), 16-key pages, 2.85 -> 3.16-3.18 at D = 128 and 2.62 -> 2.91-2.94 at D = 64.
-constexpr int HEAD_WARPS = 4;  // the consumer warpgroup's warps
-constexpr int heads_per_block(int heads_q, int heads_kv, int seq_q, int head_dim, bool paged, int page_size) {
-  if (!paged || page_size >= 64 || head_dim > 128) return 1;
-  const int rows = heads_q / heads_kv * seq_q;
-  if (rows <= 16 && heads_kv % 4 == 0) return 4;
-  return rows <= 32 && heads_kv % 2 == 0 ? 2 : 1;
+// heads, a warp each, where a head's query heads x tokens fit a warp's 16 rows; where they fit
+// 32, four heads of two warps each (two consumer warpgroups) at D = 128, else two heads of two
+// warps each (one warpgroup); else one head (the warpgroup's wgmma over its rows). H200,
+// mirrored rounds of one run each:
+// - four heads a warp each (B8 S32k 32/8 and 64/8, 16-key pages): 2.86 -> 3.78-3.81 TB/s at
+//   D = 128 and 2.63 -> 3.66-3.74 at D = 64 (contiguous 3.83-3.88 and 3.55-3.59); 32-key pages
+//   3.70 -> 3.76-3.82 and 3.33 -> 3.61-3.69;
+// - two heads of two warps each (64/8 x 4 tokens, 16-key pages): 2.85 -> 3.16-3.18 at D = 128
+//   and 2.62 -> 2.91-2.94 at D = 64, bound by the warps' products (without them, timing only:
+//   +13..+25%), one warp a scheduler;
+// - four heads of two warps each, two warps a scheduler (64/8 x 4 tokens, B8 and B64 S32k):
+//   at D = 128 16-key pages 3.16-3.24 -> 3.84-4.10 TB/s and 32-key pages 3.51-3.63 -> 3.88-4.07
+//   (contiguous 3.86-4.08); at D = 64 mixed (16-key pages B8 2.92 -> 3.21 but B64 3.90 ->
+//   3.46; 32-key pages 3.22 -> 3.39 and 3.94 -> 3.67), so D = 64 keeps two heads a block.
+struct block_shape {
+  int heads, groups;
+};
+constexpr block_shape block_shape_of(int heads_q, int heads_kv, int seq_q, int head_dim, bool paged, int page_size) {
+  const int rows = heads_kv > 0 ? heads_q / heads_kv * seq_q : 0;
+  if (paged && page_size < 64 && head_dim <= 128) {
+    if (rows <= 16 && heads_kv % 4 == 0) return {4, 1};
+    if (rows <= 32 && heads_kv % 4 == 0 && head_dim == 128) return {4, 2};
+    if (rows <= 32 && heads_kv % 2 == 0) return {2, 1};
+  }
+  return {1, rows > PACKED_ROWS && head_dim <= 128 ? 2 : 1};
 }
 
 template <int D, int GROUPS>
@@ -127,9 +146,9 @@ constexpr int UNBOUNDED = 1 << 30;
 // heads)), and key tiles [first_tile, end_tile), its split's share of the tiles any of its rows
 // can see. A tile of KV rows holds `keys` = KV / heads keys of each of its heads. Packed row r
 // is token r / group of query head kv_h group + r % group; with several heads, the consumer
-// warps hold HEAD_WARPS / heads warps of 16 rows a head (all tokens): lane_rows.
+// warps are dealt out to them, head_warps warps of 16 rows a head (all tokens): lane_rows.
 struct block_work {
-  int b, kv_h, heads, keys, split, row0, rows, seqlen, first_tile, end_tile;
+  int b, kv_h, heads, head_warps, keys, split, row0, rows, seqlen, first_tile, end_tile;
   // A tile whose first key k0 is below mask_below or above mask_above holds keys that some of
   // the block's rows must not see: it gets element masks.
   int mask_below, mask_above;
@@ -138,6 +157,7 @@ struct block_work {
   __device__ static block_work of(const Params& p, int block) {
     block_work w;
     w.heads = HEADS;
+    w.head_warps = ROWS / 16 / HEADS;
     w.keys = KV / HEADS;
     const int group = p.heads_q / p.heads_kv, packed = group * p.seq_q;
     const int row_tiles = HEADS > 1 ? 1 : (packed + ROWS - 1) / ROWS;
@@ -287,10 +307,10 @@ struct lane_rows {
     lane_rows r;
 #pragma unroll
     for (int down = 0; down < 2; down++) {
-      // With several heads, warp i holds rows [16 (i % per_head), + 16) of head kv_h + i / per_head
-      const int per_head = HEAD_WARPS / w.heads, warp_rows = 16 * (w.heads == 1 ? warpid() : warpid() % per_head);
+      // Warp i holds rows [16 (i % head_warps), + 16) of head kv_h + i / head_warps
+      const int warp_rows = 16 * (warpid() % w.head_warps);
       const int local = warp_rows + fragment_row(down);
-      const int packed = w.row0 + local, kv_head = w.heads == 1 ? w.kv_h : w.kv_h + warpid() / per_head;
+      const int packed = w.row0 + local, kv_head = w.kv_h + warpid() / w.head_warps;
       r.valid[down] = local < w.rows;
       r.token[down] = packed / group;
       r.head[down] = kv_head * group + packed % group;
@@ -500,11 +520,11 @@ __device__ __forceinline__ void zero_keys_from(rt<T, 16, C, layout::col>& v, int
 // V never meets these rows), with the warp's own mma.sync products, 16 keys at a time:
 //   S = Q K_h^T;  m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
 //   O = 2^(c m - c m') O + P V_h
-template <typename T, int D, int HEADS>
-__device__ __forceinline__ void attend_own_head(decode_shared<T, D, 1>& s, const Params& p, const block_work& w) {
-  constexpr int KEYS = decode_config<D, 1>::KV / HEADS;  // of each head in a tile
+template <typename T, int D, int GROUPS, int HEADS>
+__device__ __forceinline__ void attend_own_head(decode_shared<T, D, GROUPS>& s, const Params& p, const block_work& w) {
+  constexpr int KEYS = decode_config<D, GROUPS>::KV / HEADS;  // of each head in a tile
   const float c = p.scale * LOG2E;
-  const int h = warpid() / (HEAD_WARPS / HEADS), box = box_keys(D, true, p.page_size, KEYS);
+  const int h = warpid() / w.head_warps, box = box_keys(D, true, p.page_size, KEYS);
   auto row_of = [&](int key) { return tile_row(key, h, box, HEADS); };
   const lane_rows rows = lane_rows::of(p, w);
   int key_lo[2], key_hi[2];
@@ -556,7 +576,7 @@ __device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddep
 __device__ __forceinline__ void wait_for_prerequisite_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
 // Block i: packed row tile i % row_tiles, then split, KV head (or HEADS of them:
-// heads_per_block) and batch row (block_work::of).
+// block_shape_of) and batch row (block_work::of).
 template <typename T, int D, int GROUPS, int HEADS, typename config = decode_config<D, GROUPS>>
 __global__ void __launch_bounds__(config::THREADS, 1) __maxnreg__(config::MAX_REGISTERS)
     decode_kernel(const __grid_constant__ DecodeArgs args) {
@@ -570,16 +590,19 @@ __global__ void __launch_bounds__(config::THREADS, 1) __maxnreg__(config::MAX_RE
     tma::fence_barrier_init();
   }
   __syncthreads();
+  auto consume = [&] {
+    if constexpr (HEADS > 1) attend_own_head<T, D, GROUPS, HEADS>(s, args.p, w);
+    else attend(s, args.p, w);
+  };
   if constexpr (GROUPS == 1) {
     if (threadIdx.x >= config::CONSUMER_THREADS) load_tiles(s, args, w);
-    else if constexpr (HEADS > 1) attend_own_head<T, D, HEADS>(s, args.p, w);
-    else attend(s, args.p, w);
+    else consume();
   } else if (threadIdx.x >= config::CONSUMER_THREADS) {
     warpgroup::decrease_registers<config::PRODUCER_REGS>();
     if (threadIdx.x < config::CONSUMER_THREADS + 32) load_tiles(s, args, w);
   } else {
     warpgroup::increase_registers<config::CONSUMER_REGS>();
-    attend(s, args.p, w);
+    consume();
   }
 }
 

@@ -16,19 +16,17 @@ static int64_t packed_rows(int64_t heads_q, int64_t heads_kv, int64_t seq_q) {
   return heads_q / std::max<int64_t>(heads_kv, 1) * seq_q;
 }
 
-// Consumer warpgroups a block runs: two where a KV head has more than 64 packed rows (MQA with
-// several tokens), so that its keys are read once for 128 of them; else one (always at D = 256,
-// whose Q lives in shared memory). Measured, MQA with 4 tokens: on an H100, blocks of 64 rows
-// that read the same keys ran paged at 0.56-0.67x of contiguous, two warpgroups at 0.88-0.99x;
-// at D = 64 (128-key tiles: twice the softmax work a byte) two warpgroups were the faster
-// contiguous too (2.3-2.6 TB/s against 1.9-2.05 in the >= 256 MiB cells). At D = 128 the H100
-// once had contiguous blocks of 64 rows 5-17% faster; on an H200 (same runs, 128 MiB-1 GiB
-// cells) they read 1.71-1.97 TB/s, bound by their products (each block multiplies every key
-// tile), and two warpgroups 2.49-3.09 (then with 128-key tiles, keys_per_tile, and 64-row
-// boxes, 2.51-3.76 in the 128 MiB-4 GiB cells).
-static int consumer_groups(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim) {
-  const bool many_rows = packed_rows(heads_q, heads_kv, seq_q) > PACKED_ROWS;
-  return many_rows && head_dim <= 128 ? 2 : 1;
+// The shape of a block (block_shape_of in decode_kernel.cuh); page_size 0 for a contiguous
+// cache. Two consumer warpgroups where a KV head has more than 64 packed rows, measured with MQA
+// x 4 tokens: on an H100, blocks of 64 rows that read the same keys ran paged at 0.56-0.67x of
+// contiguous, two warpgroups at 0.88-0.99x; at D = 64 (128-key tiles: twice the softmax work a
+// byte) two warpgroups were the faster contiguous too (2.3-2.6 TB/s against 1.9-2.05 in the >=
+// 256 MiB cells). At D = 128 the H100 once had contiguous blocks of 64 rows 5-17% faster; on an
+// H200 (same runs, 128 MiB-1 GiB cells) they read 1.71-1.97 TB/s, bound by their products (each
+// block multiplies every key tile), and two warpgroups 2.49-3.09 (then with 128-key tiles,
+// keys_per_tile, and 64-row boxes, 2.51-3.76 in the 128 MiB-4 GiB cells).
+static block_shape shape_of(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int64_t page_size) {
+  return block_shape_of(int(heads_q), int(heads_kv), int(seq_q), int(head_dim), page_size > 0, int(page_size));
 }
 
 static int64_t blocks_per_sm(int64_t head_dim, int groups) {
@@ -40,31 +38,23 @@ static int64_t blocks_per_sm(int64_t head_dim, int groups) {
   }
 }
 
-// KV heads a block reads together (heads_per_block in decode_kernel.cuh); page_size 0 for a
-// contiguous cache.
-static int block_heads(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int64_t page_size) {
-  return heads_per_block(int(heads_q), int(heads_kv), int(seq_q), int(head_dim), page_size > 0, int(page_size));
-}
-
 // Blocks of one key split: one per (batch row, block of `heads` KV heads, tile of a block's
 // packed rows; with several heads a block holds every row of its heads).
-static int64_t split_blocks(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim,
-                            int heads) {
-  const int64_t rows = PACKED_ROWS * consumer_groups(heads_q, heads_kv, seq_q, head_dim);
-  const int64_t row_tiles = heads > 1 ? 1 : (packed_rows(heads_q, heads_kv, seq_q) + rows - 1) / rows;
-  return batch * (heads_kv / heads) * row_tiles;
+static int64_t split_blocks(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, block_shape shape) {
+  const int64_t rows = PACKED_ROWS * shape.groups;
+  const int64_t row_tiles = shape.heads > 1 ? 1 : (packed_rows(heads_q, heads_kv, seq_q) + rows - 1) / rows;
+  return batch * (heads_kv / shape.heads) * row_tiles;
 }
 
 int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int64_t capacity,
                int64_t page_size, int multiprocessors, int64_t requested) {
-  const int groups = consumer_groups(heads_q, heads_kv, seq_q, head_dim);
-  const int heads = block_heads(heads_q, heads_kv, seq_q, head_dim, page_size);
-  const int64_t kv = keys_per_tile(int(head_dim), groups) / heads;
+  const block_shape shape = shape_of(heads_q, heads_kv, seq_q, head_dim, page_size);
+  const int64_t kv = keys_per_tile(int(head_dim), shape.groups) / shape.heads;
   const int64_t tiles = std::max<int64_t>((capacity + kv - 1) / kv, 1);
   const int64_t most = std::min<int64_t>(MAX_SPLITS, tiles);
   if (requested > 0) return int(std::min(requested, most));
   // When the blocks of one split fill the card, splitting only adds work.
-  const int64_t blocks = split_blocks(batch, heads_q, heads_kv, seq_q, head_dim, heads);
+  const int64_t blocks = split_blocks(batch, heads_q, heads_kv, seq_q, shape);
   if (multiprocessors < 1 || blocks < 1 || blocks >= multiprocessors) return 1;
   // Else split the keys, so that the blocks keep every multiprocessor streaming to the end:
   // with n = blocks x splits spread evenly, the busy fraction of the last round is
@@ -73,7 +63,7 @@ int num_splits(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q, 
   // MIN_TILES_PER_SPLIT tiles, and keep the partial results (2 x 4 bytes per query row and
   // column per split, written then read) under the K/V bytes they summarise.
   const int64_t group = heads_q / std::max<int64_t>(heads_kv, 1);
-  const int64_t resident = multiprocessors * blocks_per_sm(head_dim, groups);
+  const int64_t resident = multiprocessors * blocks_per_sm(head_dim, shape.groups);
   int64_t limit = std::min({most, std::max<int64_t>(1, tiles / MIN_TILES_PER_SPLIT),
                             std::max<int64_t>(1, capacity / (2 * group * seq_q)),
                             std::max<int64_t>(1, resident / blocks)});
@@ -115,8 +105,8 @@ const char* unsupported(const Params& p) {
     if (int64_t(p.batch / p.rows_per_pool) * p.pages_per_pool >= (int64_t(1) << 31))
       return "too many pages (2^31 or more)";
   }
-  const int heads = block_heads(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged ? p.page_size : 0);
-  const int64_t blocks = split_blocks(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.head_dim, heads) * p.num_splits;
+  const block_shape shape = shape_of(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged ? p.page_size : 0);
+  const int64_t blocks = split_blocks(p.batch, p.heads_q, p.heads_kv, p.seq_q, shape) * p.num_splits;
   if (blocks >= (int64_t(1) << 31)) return "too many blocks for one grid";
   return nullptr;
 }
@@ -149,7 +139,7 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   }
   args.p = p;
   const int blocks =
-      int(split_blocks(p.batch, p.heads_q, p.heads_kv, p.seq_q, D, HEADS) * p.num_splits);
+      int(split_blocks(p.batch, p.heads_q, p.heads_kv, p.seq_q, block_shape{HEADS, GROUPS}) * p.num_splits);
   const int smem = int(sizeof(decode_shared<T, D, GROUPS>)) + 1024;
   static_assert(sizeof(decode_shared<T, D, GROUPS>) + 1024 <= 227 * 1024 / config::BLOCKS_PER_SM - 1024,
                 "the blocks of an SM must fit its shared memory");
@@ -175,17 +165,22 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&launch, combine_kernel<T, D>, p);
 }
 
+// The kernel of a block shape (block_shape_of) at head dim D <= 128.
+template <typename T, int D>
+static cudaError_t decode_shaped(const Params& p, block_shape shape, cudaStream_t stream) {
+  if constexpr (D == 128)  // four heads of two warps each: D = 128 only
+    if (shape.heads == 4 && shape.groups == 2) return decode_typed<T, D, 2, 4>(p, stream);
+  if (shape.heads == 4) return decode_typed<T, D, 1, 4>(p, stream);
+  if (shape.heads == 2) return decode_typed<T, D, 1, 2>(p, stream);
+  return shape.groups == 2 ? decode_typed<T, D, 2>(p, stream) : decode_typed<T, D, 1>(p, stream);
+}
+
 template <typename T>
 static cudaError_t decode_dim(const Params& p, cudaStream_t stream) {
-  const bool two = consumer_groups(p.heads_q, p.heads_kv, p.seq_q, p.head_dim) == 2;
-  const int heads = block_heads(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged ? p.page_size : 0);
+  const block_shape shape = shape_of(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged ? p.page_size : 0);
   switch (p.head_dim) {
-    case 64:
-      if (heads > 1) return heads == 4 ? decode_typed<T, 64, 1, 4>(p, stream) : decode_typed<T, 64, 1, 2>(p, stream);
-      return two ? decode_typed<T, 64, 2>(p, stream) : decode_typed<T, 64, 1>(p, stream);
-    case 128:
-      if (heads > 1) return heads == 4 ? decode_typed<T, 128, 1, 4>(p, stream) : decode_typed<T, 128, 1, 2>(p, stream);
-      return two ? decode_typed<T, 128, 2>(p, stream) : decode_typed<T, 128, 1>(p, stream);
+    case 64: return decode_shaped<T, 64>(p, shape, stream);
+    case 128: return decode_shaped<T, 128>(p, shape, stream);
     case 256: return decode_typed<T, 256, 1>(p, stream);
     default: return cudaErrorInvalidValue;
   }

@@ -45,7 +45,7 @@ constexpr bool page_size_supported(int64_t s) {
 }
 
 // Keys per tile of the kernel's walk over the cache, for a head dim and the consumer warpgroups
-// of a block (consumer_groups in kvcache.cu): 128 at D = 64, and at D = 128 for two warpgroups
+// of a block (block_shape_of in decode_kernel.cuh): 128 at D = 64, and at D = 128 for two warpgroups
 // (their softmax and product steps amortised over twice the keys: MQA x 4 tokens on an H200,
 // +10..+14% in the 512 MiB-4 GiB cells against 64-key tiles, same run), else 64.
 constexpr int keys_per_tile(int head_dim, int groups) {
