@@ -17,6 +17,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# As the bench: memory on demand, so that ncu's kernel replay backs up only what the probe
+# allocated (with XLA's preallocation it failed).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
