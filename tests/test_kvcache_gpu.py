@@ -222,13 +222,13 @@ WINDOWS = [(-1, -1), (-1, 0), (100, 0), (37, 5), (64, -1), (-1, 3), (0, 0), (2, 
 
 
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
-@pytest.mark.parametrize("tq", [1, 4, 16])
+@pytest.mark.parametrize("tq", [1, 4, 8, 16])
 @pytest.mark.parametrize("page_size", [None, 16, 64])
 def test_windows(rng, window, tq, page_size):
     """Every window against the reference, with lengths shorter than Tq (queries at negative
     positions see nothing under a causal mask) and a cache long enough for several tiles;
-    contiguous, and paged (16-key pages are read four KV heads a block up to 4 tokens, one
-    with 16)."""
+    contiguous, and paged (16-key pages are read four KV heads a block, a warp each up to 4
+    tokens and two warps each with 8; one with 16)."""
     q, k, v, seqlens = make_case(rng, 5, 900, 16, 4, 128, tq, jnp.bfloat16,
                                  seqlens=[0, 900, 3, 1 + rng.integers(899), tq // 2])
     table = None
