@@ -59,9 +59,11 @@ def test_pages_under_64_keys_are_read_several_kv_heads_a_block():
     assert splits(8, 32, 8, 1, 128, 32768, page_size=64) == 2
     assert splits(1, 8, 4, 1, 128, 2000, page_size=16, requested=10**6) == 125
     assert splits(1, 8, 4, 1, 128, 2000, page_size=64, requested=10**6) == 32
-    # Two heads (tiles of 32 keys of each) where a head has up to 32 rows, or KV heads come in
-    # twos; one (64-key tiles) beyond
+    # Up to 32 rows a head: at D = 128 four heads of two warps each (128-key tiles, 32 keys of
+    # each), at D = 64 two heads (128-key tiles, 64 of each); KV heads in twos: two heads (32 keys
+    # of each at D = 128); one head (64-key tiles) beyond
     assert splits(1, 16, 4, 8, 128, 2000, page_size=16, requested=10**6) == 63
+    assert splits(1, 16, 4, 8, 64, 2000, page_size=16, requested=10**6) == 32
     assert splits(1, 8, 2, 1, 128, 2000, page_size=16, requested=10**6) == 63
     assert splits(1, 32, 4, 8, 128, 2000, page_size=16, requested=10**6) == 32
     assert splits(1, 8, 1, 1, 128, 2000, page_size=16, requested=10**6) == 32
