@@ -189,8 +189,8 @@ def test_contiguous_cache(rng, dtype, d, heads, tq):
 def test_two_consumer_warpgroups_past_the_rings_first_lap(rng, d, page_size):
     """MQA x 4 tokens (128 packed rows: two consumer warpgroups share the K/V stages) over 2000
     keys in one split: more key tiles than the ring has stages (six at D = 64, three at
-    D = 128), so every stage is refilled and its barriers' phases wrap, which the shorter
-    caches above never reach with two warpgroups."""
+    D = 128), so every stage is refilled and its barriers' phases wrap: the other tests'
+    caches (300-900 keys) never take two warpgroups that far."""
     q, k, v, seqlens = make_case(rng, 3, 2000, 32, 1, d, 4, jnp.bfloat16)
     table = None
     if page_size:
