@@ -28,6 +28,9 @@ static int64_t packed_rows(int64_t heads_q, int64_t heads_kv, int64_t seq_q) {
 static block_shape shape_of(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int64_t page_size) {
   return block_shape_of(int(heads_q), int(heads_kv), int(seq_q), int(head_dim), page_size > 0, int(page_size));
 }
+static block_shape shape_of(const Params& p) {
+  return shape_of(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged ? p.page_size : 0);
+}
 
 static int64_t blocks_per_sm(int64_t head_dim, int groups) {
   if (groups == 2) return head_dim == 64 ? decode_config<64, 2>::BLOCKS_PER_SM : decode_config<128, 2>::BLOCKS_PER_SM;
@@ -105,7 +108,7 @@ const char* unsupported(const Params& p) {
     if (int64_t(p.batch / p.rows_per_pool) * p.pages_per_pool >= (int64_t(1) << 31))
       return "too many pages (2^31 or more)";
   }
-  const block_shape shape = shape_of(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged ? p.page_size : 0);
+  const block_shape shape = shape_of(p);
   const int64_t blocks = split_blocks(p.batch, p.heads_q, p.heads_kv, p.seq_q, shape) * p.num_splits;
   if (blocks >= (int64_t(1) << 31)) return "too many blocks for one grid";
   return nullptr;
@@ -177,7 +180,7 @@ static cudaError_t decode_shaped(const Params& p, block_shape shape, cudaStream_
 
 template <typename T>
 static cudaError_t decode_dim(const Params& p, cudaStream_t stream) {
-  const block_shape shape = shape_of(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged ? p.page_size : 0);
+  const block_shape shape = shape_of(p);
   switch (p.head_dim) {
     case 64: return decode_shaped<T, 64>(p, shape, stream);
     case 128: return decode_shaped<T, 128>(p, shape, stream);
