@@ -429,11 +429,11 @@ def test_compiled_jax_runner_forward_and_backward(rng):
     sets = [tuple(jnp.asarray(rng.standard_normal((3, 4)), jnp.float32) for _ in range(4))]
     q, k, v, cot = sets[0]
     forward = timing.compiled_jax_runner(attend, [s[:3] for s in sets], backward=False)
-    np.testing.assert_allclose(forward.call(0), attend(q, k, v), rtol=1e-6)
+    np.testing.assert_allclose(forward.call(0), attend(q, k, v), rtol=1e-6, atol=1e-6)
     both = timing.compiled_jax_runner(attend, sets, backward=True)
     o, (dq, dk, dv) = both.call(0)
     expected = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) * cot), (0, 1, 2))(q, k, v)
-    np.testing.assert_allclose(o, attend(q, k, v), rtol=1e-6)
+    np.testing.assert_allclose(o, attend(q, k, v), rtol=1e-6, atol=1e-6)
     for got, want in zip((dq, dk, dv), expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert both.n_sets == 1
@@ -601,11 +601,11 @@ def test_compiled_jax_runner_passes_constants_undifferentiated(rng):
     both = timing.compiled_jax_runner(attend, [(q, k, v, cot)], backward=True, constants=(ids,))
     o, grads = both.call(0)
     expected = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v, ids) * cot), (0, 1, 2))(q, k, v)
-    np.testing.assert_allclose(o, attend(q, k, v, ids), rtol=1e-6)
+    np.testing.assert_allclose(o, attend(q, k, v, ids), rtol=1e-6, atol=1e-6)
     for got, want in zip(grads, expected):
-        np.testing.assert_allclose(got, want, rtol=1e-6)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     forward = timing.compiled_jax_runner(attend, [(q, k, v)], backward=False, constants=(ids,))
-    np.testing.assert_allclose(forward.call(0), attend(q, k, v, ids), rtol=1e-6)
+    np.testing.assert_allclose(forward.call(0), attend(q, k, v, ids), rtol=1e-6, atol=1e-6)
 
 
 def test_extra_columns_and_ratio_helpers():
