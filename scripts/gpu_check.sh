@@ -33,7 +33,9 @@ fi
 echo "build: $(($(date +%s) - start)) s"
 python3 -m tk_jax info | grep -E "jaxlib|xla_ffi|have_kernels"
 
-python3 -m pytest -m gpu -q -p no:cacheprovider "$@" ${TK_GPU_TESTS:-tests} 2>&1 | tee "$LOG/gpu_tests.log"
+# The slowest tests are listed last: the whole GPU suite does not fit one device call, and
+# TK_GPU_TESTS (a list of test files) splits it.
+python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 "$@" ${TK_GPU_TESTS:-tests} 2>&1 | tee "$LOG/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 if [ "${TK_SANITIZE:-0}" = 1 ]; then
