@@ -174,8 +174,11 @@ def test_a_packed_document_gets_its_logits_alone(gpt, rng, attention):
 
 
 @needs_tk_segments
-@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-4), (jnp.bfloat16, 6e-2)])
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 8e-2)])
 def test_tk_and_xla_give_the_same_logits_on_a_packed_batch(gpt, rng, dtype, tol):
+    """Position by position (relative L2 over the vocabulary): in bf16 the two attentions'
+    roundings move a position's logits by up to ~3% (41 seeds) and single logits by up to 0.07,
+    so an element-wise bound is either loose or flaky; float32 agrees to ~5e-5."""
     from flax import nnx
 
     seed = int(rng.integers(1000))
@@ -186,7 +189,9 @@ def test_tk_and_xla_give_the_same_logits_on_a_packed_batch(gpt, rng, dtype, tol)
     tk_logits = np.asarray(forward(tk_model, tokens, ids))
     xla_logits = np.asarray(forward(xla_model, tokens, ids))
     assert np.isfinite(tk_logits).all()
-    np.testing.assert_allclose(tk_logits, xla_logits, rtol=tol, atol=tol)
+    tk_logits, xla_logits = tk_logits.astype(np.float64), xla_logits.astype(np.float64)
+    err = np.linalg.norm(tk_logits - xla_logits, axis=-1) / np.linalg.norm(xla_logits, axis=-1)
+    assert err.max() < tol, f"position {np.unravel_index(err.argmax(), err.shape)}: {err.max():.3g}"
 
 
 # --------------------------------------------------------------------------- training
