@@ -178,7 +178,7 @@ def test_a_packed_document_gets_its_logits_alone(gpt, rng, attention):
 def test_tk_and_xla_give_the_same_logits_on_a_packed_batch(gpt, rng, dtype, tol):
     """Position by position (relative L2 over the vocabulary): in bf16 the two attentions'
     roundings move a position's logits by up to ~3% (41 seeds) and single logits by up to 0.07,
-    so an element-wise bound is either loose or flaky; float32 agrees to ~5e-5."""
+    so an element-wise bound is either loose or flaky; float32 agrees to better than 5e-5."""
     from flax import nnx
 
     seed = int(rng.integers(1000))
