@@ -201,14 +201,15 @@ def test_two_consumer_warpgroups_past_the_rings_first_lap(rng, d, page_size):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
-@pytest.mark.parametrize("heads,tq", [((16, 4), 1), ((16, 4), 8), ((12, 6), 4), ((32, 1), 4), ((8, 8), 16)],
-                         ids=["gqa4-t1", "gqa4-t8", "gqa2-t4", "mqa-t4", "mha-t16"])
+@pytest.mark.parametrize("heads,tq",
+                         [((16, 4), 1), ((16, 4), 8), ((12, 6), 4), ((32, 1), 1), ((32, 1), 4), ((8, 8), 16)],
+                         ids=["gqa4-t1", "gqa4-t8", "gqa2-t4", "mqa-t1", "mqa-t4", "mha-t16"])
 def test_paged_cache_matches_contiguous_bit_for_bit(rng, d, page_size, heads, tq):
     """A paged cache (shuffled pages, NaN in spare pages, garbage table entries past each row's
     last page) against the reference, and bit for bit against the same cache laid out
     contiguously with the same splits where the kernel walks the same key tiles either way:
     pages of 64 keys or more (smaller pages may be read several KV heads a block, in tiles of
-    fewer keys each)."""
+    fewer keys each, or one KV head a block in grouped rows at D >= 128)."""
     hq, hkv = heads
     q, k, v, seqlens = make_case(rng, 3, 300, hq, hkv, d, tq, jnp.bfloat16)
     k_pages, v_pages, table, k_full, v_full = page(rng, k, v, seqlens, page_size)
@@ -223,10 +224,12 @@ def test_paged_cache_matches_contiguous_bit_for_bit(rng, d, page_size, heads, tq
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("page_size", [16, 64, 256])
-def test_paged_cache_fp16_and_bf16(rng, dtype, page_size):
-    """Both dtypes through the paged path, GQA 4, 4 query tokens, a sliding causal window."""
-    q, k, v, seqlens = make_case(rng, 4, 700, 16, 4, 128, 4, dtype)
+@pytest.mark.parametrize("page_size", [16, 32, 64, 256])
+@pytest.mark.parametrize("heads", [(16, 4), (8, 1)], ids=["gqa4", "mqa"])
+def test_paged_cache_fp16_and_bf16(rng, dtype, page_size, heads):
+    """Both dtypes through the paged path, GQA 4 and MQA (one KV head a block: grouped rows on
+    pages under 64 keys), 4 query tokens, a sliding causal window."""
+    q, k, v, seqlens = make_case(rng, 4, 700, *heads, 128, 4, dtype)
     k_pages, v_pages, table, _, _ = page(rng, k, v, seqlens, page_size)
     check_against_reference(q, k_pages, v_pages, seqlens, table, scale=0.1, window_left=200, window_right=0)
 

@@ -124,12 +124,21 @@ struct decode_config {
   static constexpr int MAX_REGISTERS = GROUPS == 1 && D <= 128 ? 200 : std::min(255, 65536 / THREADS / 8 * 8);
 };
 
+// How a block's K and V tiles are laid out in shared memory: panel by panel, or, where a block
+// reads one KV head of a paged cache with pages under 64 keys at D >= 128, in 8-row groups of
+// all panels, so that a page's rows of every panel are one box (fewer, larger boxes: a 16-key
+// page at D = 128 is one 4 KB box, not two of 2 KB). Not past 2^31 8-row groups of pages (TMA
+// coordinates are int).
+inline bool grouped_rows_of(int head_dim, bool paged, int page_size, int64_t pages, block_shape shape) {
+  return paged && page_size < 64 && head_dim >= 128 && shape.heads == 1 && pages * page_size / 8 < (int64_t(1) << 31);
+}
+
 struct no_tile {};
 
-template <typename T, int D, int GROUPS>
+template <typename T, int D, int GROUPS, atoms ORDER = atoms::panel_major>
 struct decode_shared {
   using config = decode_config<D, GROUPS>;
-  st<T, config::KV, D> k[config::STAGES], v[config::STAGES];
+  st<T, config::KV, D, ORDER> k[config::STAGES], v[config::STAGES];
   std::conditional_t<config::Q_IN_SHARED, st<T, config::ROWS, D>, no_tile> q;
   ring<config::STAGES> k_ring, v_ring;
 };
@@ -242,10 +251,11 @@ struct page_window {
 
 // The producer warp: K and V of tiles first_tile, first_tile + 1, ... as uses 0, 1, ... of
 // their rings.
-template <typename T, int D, int GROUPS>
-__device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS>& s, const DecodeArgs& args,
+template <typename T, int D, int GROUPS, atoms ORDER>
+__device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS, ORDER>& s, const DecodeArgs& args,
                                            const block_work& w) {
   constexpr int KV = decode_config<D, GROUPS>::KV;
+  constexpr bool GROUPED = ORDER == atoms::grouped_rows;  // a box holds every panel
   const Params& p = args.p;
   const int lane = laneid();
   // K, then V, of tile i into `stage`, by the whole warp: lane 0 waits until the stage is free
@@ -258,14 +268,15 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS>& s, const
       load(kv == 0 ? s.k[stage] : s.v[stage], kv == 0 ? args.k : args.v, ring.full[stage]);
     }
   };
-  // Every tile is loaded as boxes of `box` keys of the block's heads in one 64-column panel, a
-  // box a lane: lane j loads keys [j % key_boxes * box, + box) of the tile's, panel j /
-  // key_boxes (tile_row says where they land). A box never crosses a page.
+  // Every tile is loaded as boxes of `box` keys of the block's heads in one 64-column panel (in
+  // grouped rows: of one head in every panel), a box a lane: lane j loads keys [j % key_boxes *
+  // box, + box) of the tile's, panel j / key_boxes (tile_row says where they land). A box never
+  // crosses a page.
   const int box = box_keys(D, p.paged, p.page_size, w.keys);
   const int key_boxes = w.keys / box, panel = lane / key_boxes, row = lane % key_boxes * box;
-  const bool boxed = lane < key_boxes * (D / 64);
+  const bool boxed = lane < key_boxes * (GROUPED ? 1 : D / 64);
   static_assert(KV / 16 * (D / 64) <= WARP_THREADS, "a box a lane, pages of 16 keys included");
-  auto box_of = [&](auto& tile) { return tile.data + (panel * KV + tile_row(row, 0, box, w.heads)) * 64; };
+  auto box_of = [&](auto& tile) { return tile.ptr(tile_row(row, 0, box, w.heads), panel * 64); };
   if (!p.paged) {
     for (int i = 0; i < w.tiles(); i++) {
       const int key = w.first_key(i) + row;
@@ -279,7 +290,7 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS>& s, const
   // anything); the consumers zero those rows of V.
   if (w.tiles() == 0) return;
   page_window pages = page_window::of(p, w, w.first_key(0) / p.page_size);
-  const uint32_t box_bytes = uint32_t(box) * w.heads * 64 * sizeof(T);
+  const uint32_t box_bytes = uint32_t(box) * w.heads * (GROUPED ? D : 64) * sizeof(T);
   for (int i = 0; i < w.tiles(); i++) {
     const int k0 = w.first_key(i), key = k0 + row, logical_page = key / p.page_size;
     pages.advance_to(k0 / p.page_size);
@@ -287,7 +298,11 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS>& s, const
     const bool load = boxed && logical_page * p.page_size < w.seqlen;
     const uint32_t bytes = __popc(__ballot_sync(0xffffffffu, load)) * box_bytes;
     k_and_v(i, s.k_ring.slot(i), bytes, [&](auto& tile, const CUtensorMap& map, tma::barrier& full) {
-      if (load) tma::load_async(box_of(tile), map, full, 0, key % p.page_size, panel, w.kv_h, page);
+      if (!load) return;
+      if constexpr (GROUPED)  // 8-row groups of the whole cache (the host checked they fit an int)
+        tma::load_async(box_of(tile), map, full, 0, 0, 0, page * (p.page_size / 8) + key % p.page_size / 8, w.kv_h);
+      else
+        tma::load_async(box_of(tile), map, full, 0, key % p.page_size, panel, w.kv_h, page);
     });
   }
 }
@@ -376,14 +391,13 @@ __device__ __forceinline__ void mask_keys(rt_fl<16, KV>& scores, const int (&key
 // the cache holds there (NaN included, or an older tile where pages were not loaded) would
 // still reach O through 0 x V. Whole 128-byte rows of each panel: the swizzle only permutes
 // chunks inside a row.
-template <typename T, int D, int KV, int CONSUMER_THREADS>
-__device__ __forceinline__ void zero_rows_from(st<T, KV, D>& tile, int valid_rows) {
+template <int CONSUMER_THREADS, typename Tile>
+__device__ __forceinline__ void zero_rows_from(Tile& tile, int valid_rows) {
   constexpr int CHUNKS = 8;  // 16-byte chunks per 128-byte panel row
-  const int rows = KV - valid_rows, n = rows * (D / 64) * CHUNKS;
-  char* base = reinterpret_cast<char*>(tile.data);
+  const int rows = Tile::rows - valid_rows, n = rows * Tile::panels * CHUNKS;
   for (int i = threadIdx.x; i < n; i += CONSUMER_THREADS) {
     const int chunk = i % CHUNKS, rest = i / CHUNKS, row = valid_rows + rest % rows, panel = rest / rows;
-    *reinterpret_cast<uint4*>(base + (panel * KV + row) * 128 + chunk * 16) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(tile.ptr(row, panel * 64 + chunk * 8)) = make_uint4(0, 0, 0, 0);
   }
   warpgroup::fence_shared_to_async();
   named_barrier_sync(1, CONSUMER_THREADS);  // every consumer warpgroup reads the tile next
@@ -429,8 +443,8 @@ __device__ __forceinline__ void store_rows(rt_fl<16, D>& o, const row_vec<16>& m
 }
 
 // A consumer warpgroup: attention of its 64 of the block's rows over the block's key tiles.
-template <typename T, int D, int GROUPS>
-__device__ __forceinline__ void attend(decode_shared<T, D, GROUPS>& s, const Params& p, const block_work& w) {
+template <typename T, int D, int GROUPS, atoms ORDER>
+__device__ __forceinline__ void attend(decode_shared<T, D, GROUPS, ORDER>& s, const Params& p, const block_work& w) {
   using config = decode_config<D, GROUPS>;
   constexpr int KV = config::KV;
   const float c = p.scale * LOG2E;
@@ -469,7 +483,7 @@ __device__ __forceinline__ void attend(decode_shared<T, D, GROUPS>& s, const Par
     const int stage = s.v_ring.acquire(i);
     const int k0 = (w.first_tile + i) * KV;
     if (k0 + KV > w.seqlen)  // the last tile of the keys
-      zero_rows_from<T, D, KV, config::CONSUMER_THREADS>(s.v[stage], w.seqlen - k0);
+      zero_rows_from<config::CONSUMER_THREADS>(s.v[stage], w.seqlen - k0);
     warpgroup::mma_AB(o, probs, s.v[stage], true);
   };
 
@@ -577,12 +591,12 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() { asm volatile("gri
 
 // Block i: packed row tile i % row_tiles, then split, KV head (or HEADS of them:
 // block_shape_of) and batch row (block_work::of).
-template <typename T, int D, int GROUPS, int HEADS, typename config = decode_config<D, GROUPS>>
+template <typename T, int D, int GROUPS, int HEADS, atoms ORDER, typename config = decode_config<D, GROUPS>>
 __global__ void __launch_bounds__(config::THREADS, 1) __maxnreg__(config::MAX_REGISTERS)
     decode_kernel(const __grid_constant__ DecodeArgs args) {
   allow_dependent_launch();
   extern __shared__ char smem_raw[];
-  auto& s = aligned_shared<decode_shared<T, D, GROUPS>>(smem_raw);
+  auto& s = aligned_shared<decode_shared<T, D, GROUPS, ORDER>>(smem_raw);
   const block_work w = block_work::of<config::KV, config::ROWS, HEADS>(args.p, blockIdx.x);
   if (threadIdx.x == 0) {
     s.k_ring.init(config::CONSUMER_THREADS / 32);  // one release per consumer warp

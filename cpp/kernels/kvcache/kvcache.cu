@@ -114,7 +114,7 @@ const char* unsupported(const Params& p) {
   return nullptr;
 }
 
-template <typename T, int D, int GROUPS, int HEADS = 1>
+template <typename T, int D, int GROUPS, int HEADS = 1, atoms ORDER = atoms::panel_major>
 static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   using config = decode_config<D, GROUPS>;
   // Window bounds beyond any cache are unbounded; clamped, key positions stay inside int.
@@ -133,6 +133,10 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
       const int capacity = int(p.capacity);
       ok = tma::make_bshd_map(&args.k, p.k, type, 2, p.batch, capacity, p.heads_kv, D, box, 64, HEADS) &&
            tma::make_bshd_map(&args.v, p.v, type, 2, p.batch, capacity, p.heads_kv, D, box, 64, HEADS);
+    } else if constexpr (ORDER == atoms::grouped_rows) {  // a page's rows of every panel a box
+      const int pages = p.batch / p.rows_per_pool * p.pages_per_pool;
+      ok = tma::make_grouped_rows_map(&args.k, p.k, type, 2, pages, p.page_size, p.heads_kv, D, box) &&
+           tma::make_grouped_rows_map(&args.v, p.v, type, 2, pages, p.page_size, p.heads_kv, D, box);
     } else {  // pages as the batch axis of a [pages, page_size, heads_kv, D] tensor
       const int pages = p.batch / p.rows_per_pool * p.pages_per_pool;
       ok = tma::make_bshd_map(&args.k, p.k, type, 2, pages, p.page_size, p.heads_kv, D, box, 64, HEADS) &&
@@ -143,11 +147,11 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   args.p = p;
   const int blocks =
       int(split_blocks(p.batch, p.heads_q, p.heads_kv, p.seq_q, block_shape{HEADS, GROUPS}) * p.num_splits);
-  const int smem = int(sizeof(decode_shared<T, D, GROUPS>)) + 1024;
-  static_assert(sizeof(decode_shared<T, D, GROUPS>) + 1024 <= 227 * 1024 / config::BLOCKS_PER_SM - 1024,
+  const int smem = int(sizeof(decode_shared<T, D, GROUPS, ORDER>)) + 1024;
+  static_assert(sizeof(decode_shared<T, D, GROUPS, ORDER>) + 1024 <= 227 * 1024 / config::BLOCKS_PER_SM - 1024,
                 "the blocks of an SM must fit its shared memory");
-  if (cudaError_t err =
-          launch_with_shared<decode_kernel<T, D, GROUPS, HEADS>>(dim3(blocks), config::THREADS, smem, stream, args);
+  if (cudaError_t err = launch_with_shared<decode_kernel<T, D, GROUPS, HEADS, ORDER>>(dim3(blocks), config::THREADS,
+                                                                                      smem, stream, args);
       err != cudaSuccess)
     return err;
   if (p.num_splits == 1) return cudaSuccess;
@@ -168,11 +172,21 @@ static cudaError_t decode_typed(Params p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&launch, combine_kernel<T, D>, p);
 }
 
+// Whether a call's K/V tiles are in grouped rows (grouped_rows_of).
+static bool grouped_rows(const Params& p, block_shape shape) {
+  const int64_t pages = p.paged ? int64_t(p.batch / p.rows_per_pool) * p.pages_per_pool : 0;
+  return grouped_rows_of(p.head_dim, p.paged, p.page_size, pages, shape);
+}
+
 // The kernel of a block shape (block_shape_of) at head dim D <= 128.
 template <typename T, int D>
 static cudaError_t decode_shaped(const Params& p, block_shape shape, cudaStream_t stream) {
-  if constexpr (D == 128)  // four heads of two warps each: D = 128 only
-    if (shape.heads == 4 && shape.groups == 2) return decode_typed<T, D, 2, 4>(p, stream);
+  constexpr atoms GROUPED = atoms::grouped_rows;
+  if constexpr (D == 128) {
+    if (grouped_rows(p, shape))
+      return shape.groups == 2 ? decode_typed<T, D, 2, 1, GROUPED>(p, stream) : decode_typed<T, D, 1, 1, GROUPED>(p, stream);
+    if (shape.heads == 4 && shape.groups == 2) return decode_typed<T, D, 2, 4>(p, stream);  // D = 128 only
+  }
   if (shape.heads == 4) return decode_typed<T, D, 1, 4>(p, stream);
   if (shape.heads == 2) return decode_typed<T, D, 1, 2>(p, stream);
   return shape.groups == 2 ? decode_typed<T, D, 2>(p, stream) : decode_typed<T, D, 1>(p, stream);
@@ -184,7 +198,9 @@ static cudaError_t decode_dim(const Params& p, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64: return decode_shaped<T, 64>(p, shape, stream);
     case 128: return decode_shaped<T, 128>(p, shape, stream);
-    case 256: return decode_typed<T, 256, 1>(p, stream);
+    case 256:
+      return grouped_rows(p, shape) ? decode_typed<T, 256, 1, 1, atoms::grouped_rows>(p, stream)
+                                    : decode_typed<T, 256, 1>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -52,6 +52,30 @@ inline bool make_bshd_map(CUtensorMap* map, const void* ptr, CUtensorMapDataType
   return r == CUDA_SUCCESS;
 }
 
+// A map over a contiguous [batch, seq, heads, dim] tensor (seq a multiple of 8) whose box is
+// `box_rows` rows (a multiple of 8, not crossing a batch row) of every column at one head,
+// landing in 8-row groups of all panels: the shared layout of st<T, rows, dim,
+// atoms::grouped_rows>. Described as (panel columns, 8 rows, panels, 8-row groups of the whole
+// tensor, heads); a box's coordinates are (0, 0, 0, (b seq + row) / 8, head).
+inline bool make_grouped_rows_map(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, int element_bytes,
+                                  int batch, int seq, int heads, int dim, int box_rows) {
+  auto encode = encoder();
+  const int panel = 128 / element_bytes;
+  const uint64_t groups = uint64_t(batch) * seq / 8;
+  if (!encode || dim % panel != 0 || seq % 8 != 0 || box_rows % 8 != 0 || box_rows > seq || box_rows / 8 > 256 ||
+      groups >= (uint64_t(1) << 31))
+    return false;
+  const uint64_t e = uint64_t(element_bytes), row = uint64_t(heads) * dim * e;
+  const cuuint64_t dims[5] = {cuuint64_t(panel), 8, cuuint64_t(dim / panel), groups, cuuint64_t(heads)};
+  const cuuint64_t strides[4] = {row, panel * e, 8 * row, uint64_t(dim) * e};
+  const cuuint32_t box[5] = {cuuint32_t(panel), 8, cuuint32_t(dim / panel), cuuint32_t(box_rows / 8), 1};
+  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  const CUresult r = encode(map, type, 5, const_cast<void*>(ptr), dims, strides, box, element_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
 // The 16-bit case with the whole row in the box (Q, K, V, dO tiles).
 inline bool make_bshd_map(CUtensorMap* map, const void* ptr, bool bf16, int batch, int seq, int heads, int dim,
                           int box_rows) {

@@ -4,10 +4,12 @@
 // 16w..16w+15 of it, held as an rt_fl<16, N> in exactly the register order wgmma uses (see
 // register_tile.cuh), so the softmax code that works on mma.sync tiles works on these too.
 //
-// Shared operands are described by 64-bit descriptors over 128-byte-swizzled tiles:
-//   K-major (the reduction dim is contiguous, e.g. Q and K in Q K^T): 8-row groups 1024 B apart.
-//   MN-major (the output dim is contiguous, e.g. V in P V): 64-column panels `rows * 128` B
-//   apart (leading byte offset), 8-row groups 1024 B apart (stride byte offset).
+// Shared operands are described by 64-bit descriptors over 128-byte-swizzled tiles (st's
+// panel_bytes and group_bytes: `rows * 128` and 1024 B in panel-major tiles):
+//   K-major (the reduction dim is contiguous, e.g. Q and K in Q K^T): 8-row groups group_bytes
+//   apart (stride byte offset); a k slice in another panel starts panel_bytes on.
+//   MN-major (the output dim is contiguous, e.g. V in P V): 64-column panels panel_bytes apart
+//   (leading byte offset), 8-row groups group_bytes apart (stride byte offset).
 // Every call is asynchronous: fence, issue, commit here; the caller waits with wait<N>().
 #pragma once
 
@@ -71,17 +73,21 @@ __device__ __forceinline__ uint64_t advance(uint64_t tile_descriptor, uint32_t o
 }
 
 // Columns [16k, 16k + 16) of every row: K-major slice `k`.
-template <typename T, int R, int C>
-__device__ __forceinline__ uint64_t k_major(const st<T, R, C>& t, int k) {
-  static_assert(st<T, R, C>::swizzle_bytes == 128, "wgmma operands use the 128-byte swizzle");
+template <typename T, int R, int C, atoms O>
+__device__ __forceinline__ uint64_t k_major(const st<T, R, C, O>& t, int k) {
+  using tile = st<T, R, C, O>;
+  static_assert(tile::swizzle_bytes == 128, "wgmma operands use the 128-byte swizzle");
   const uint32_t col = 16 * k;
-  return advance(descriptor(shared_addr(t.data), 16, 1024), (col / 64) * (R * 128) + (col % 64) * sizeof(T));
+  return advance(descriptor(shared_addr(t.data), 16, tile::group_bytes),
+                 (col / 64) * tile::panel_bytes + (col % 64) * sizeof(T));
 }
 // Rows [16k, 16k + 16), columns from `col0` (a multiple of 64) on: MN-major slice `k`.
-template <typename T, int R, int C>
-__device__ __forceinline__ uint64_t mn_major(const st<T, R, C>& t, int k, int col0 = 0) {
-  static_assert(st<T, R, C>::swizzle_bytes == 128, "wgmma operands use the 128-byte swizzle");
-  return advance(descriptor(shared_addr(t.data), R * 128, 1024), (col0 / 64) * (R * 128) + 16 * k * 128);
+template <typename T, int R, int C, atoms O>
+__device__ __forceinline__ uint64_t mn_major(const st<T, R, C, O>& t, int k, int col0 = 0) {
+  using tile = st<T, R, C, O>;
+  static_assert(tile::swizzle_bytes == 128, "wgmma operands use the 128-byte swizzle");
+  return advance(descriptor(shared_addr(t.data), tile::panel_bytes, tile::group_bytes),
+                 (col0 / 64) * tile::panel_bytes + 2 * k * tile::group_bytes);
 }
 
 template <typename T, int N, int TransA, int TransB>
@@ -104,8 +110,8 @@ __device__ __forceinline__ void rs(float* d, const uint32_t* a, uint64_t b, int 
 }  // namespace detail
 
 // acc (+)= A B^T:  A is 64 x K (shared), B is N x K (shared), both K-major.
-template <typename T, int K, int N>
-__device__ __forceinline__ void mma_ABt(rt_fl<16, N>& acc, const st<T, 64, K>& a, const st<T, N, K>& b,
+template <typename T, int K, int N, atoms OA, atoms OB>
+__device__ __forceinline__ void mma_ABt(rt_fl<16, N>& acc, const st<T, 64, K, OA>& a, const st<T, N, K, OB>& b,
                                         bool accumulate) {
   float* d = reinterpret_cast<float*>(&acc.tiles[0][0]);
   fence();
@@ -136,8 +142,8 @@ __device__ __forceinline__ void fence_shared_to_async() {
 
 // acc (+)= A B^T:  A is 64 x K in registers (this warp's 16 rows), B is N x K (shared,
 // K-major), e.g. scores Q K^T with Q held in registers for a whole walk over key tiles.
-template <typename T, int K, int N>
-__device__ __forceinline__ void mma_ABt(rt_fl<16, N>& acc, const rt<T, 16, K>& a, const st<T, N, K>& b,
+template <typename T, int K, int N, atoms O>
+__device__ __forceinline__ void mma_ABt(rt_fl<16, N>& acc, const rt<T, 16, K>& a, const st<T, N, K, O>& b,
                                         bool accumulate) {
   float* d = reinterpret_cast<float*>(&acc.tiles[0][0]);
   fence();
@@ -149,8 +155,8 @@ __device__ __forceinline__ void mma_ABt(rt_fl<16, N>& acc, const rt<T, 16, K>& a
 }
 
 // acc (+)= A B:  A is 64 x K in registers (this warp's 16 rows), B is K x N (shared, MN-major).
-template <typename T, int K, int N>
-__device__ __forceinline__ void mma_AB(rt_fl<16, N>& acc, const rt<T, 16, K>& a, const st<T, K, N>& b,
+template <typename T, int K, int N, atoms O>
+__device__ __forceinline__ void mma_AB(rt_fl<16, N>& acc, const rt<T, 16, K>& a, const st<T, K, N, O>& b,
                                        bool accumulate) {
   float* d = reinterpret_cast<float*>(&acc.tiles[0][0]);
   fence();
