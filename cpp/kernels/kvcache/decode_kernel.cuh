@@ -276,7 +276,9 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS, ORDER>& s
   const int key_boxes = w.keys / box, panel = lane / key_boxes, row = lane % key_boxes * box;
   const bool boxed = lane < key_boxes * (GROUPED ? 1 : D / 64);
   static_assert(KV / 16 * (D / 64) <= WARP_THREADS, "a box a lane, pages of 16 keys included");
-  auto box_of = [&](auto& tile) { return tile.ptr(tile_row(row, 0, box, w.heads), panel * 64); };
+  auto box_of = [&](auto& tile) {
+    return reinterpret_cast<char*>(tile.data) + tile.row_offset(tile_row(row, 0, box, w.heads), panel);
+  };
   if (!p.paged) {
     for (int i = 0; i < w.tiles(); i++) {
       const int key = w.first_key(i) + row;
@@ -395,9 +397,10 @@ template <int CONSUMER_THREADS, typename Tile>
 __device__ __forceinline__ void zero_rows_from(Tile& tile, int valid_rows) {
   constexpr int CHUNKS = 8;  // 16-byte chunks per 128-byte panel row
   const int rows = Tile::rows - valid_rows, n = rows * Tile::panels * CHUNKS;
+  char* base = reinterpret_cast<char*>(tile.data);
   for (int i = threadIdx.x; i < n; i += CONSUMER_THREADS) {
     const int chunk = i % CHUNKS, rest = i / CHUNKS, row = valid_rows + rest % rows, panel = rest / rows;
-    *reinterpret_cast<uint4*>(tile.ptr(row, panel * 64 + chunk * 8)) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(base + Tile::row_offset(row, panel) + chunk * 16) = make_uint4(0, 0, 0, 0);
   }
   warpgroup::fence_shared_to_async();
   named_barrier_sync(1, CONSUMER_THREADS);  // every consumer warpgroup reads the tile next

@@ -37,12 +37,14 @@ struct st {
 
   alignas(1024) T data[Rows * Cols];
 
+  // Byte offset of row r's span in panel `panel` (the swizzle permutes chunks only inside it).
+  __device__ static __forceinline__ uint32_t row_offset(int r, int panel) {
+    return grouped ? panel * panel_bytes + (r / 8) * group_bytes + (r % 8) * swizzle_bytes
+                   : (panel * Rows + r) * swizzle_bytes;
+  }
   // Byte offset of element (r, c) from the tile's start, after swizzling.
   __device__ static __forceinline__ uint32_t offset(int r, int c) {
-    const uint32_t panel = c / panel_cols;
-    const uint32_t row = grouped ? panel * panel_bytes + (r / 8) * group_bytes + (r % 8) * swizzle_bytes
-                                 : (panel * Rows + r) * swizzle_bytes;
-    const uint32_t linear = row + (c % panel_cols) * sizeof(T);
+    const uint32_t linear = row_offset(r, c / panel_cols) + (c % panel_cols) * sizeof(T);
     const uint32_t chunk_xor = ((linear % atom_bytes) >> 7) << 4;
     return linear ^ chunk_xor;
   }
