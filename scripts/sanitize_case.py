@@ -81,9 +81,11 @@ for dv in (64, 128) if "based" in which else ():  # Based: two chunks, the secon
     jax.block_until_ready((y, s, z, den, grads))
 # 8/2 x 4 tokens: 16 packed rows, one consumer warpgroup (16-key pages: two KV heads a block);
 # 16/4 x 4: 16 rows a KV head (16-key pages: four a block, a warp each); 32/4 x 4: 32 rows a KV
-# head (16-key pages: four a block, two warps each, at D = 128; two heads at D = 64); 32/1 x 4:
-# 128 rows, two consumer warpgroups at D <= 128.
-for d, (hq, hkv) in itertools.product((64, 128, 256), ((8, 2), (16, 4), (32, 4), (32, 1))) if "kvcache" in which else ():
+# head (16-key pages: four a block, two warps each, at D = 128; two heads at D = 64); 16/1 x 4:
+# 64 rows, one KV head a block (16-key pages at D >= 128: grouped rows); 32/1 x 4: 128 rows, two
+# consumer warpgroups at D <= 128.
+for d, (hq, hkv) in itertools.product((64, 128, 256), ((8, 2), (16, 4), (32, 4), (16, 1), (32, 1))) \
+        if "kvcache" in which else ():
     b, s, tq = 3, 300, 4
     q = jnp.asarray(rng.standard_normal((b, tq, hq, d)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16) for _ in range(2))
