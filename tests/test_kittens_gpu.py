@@ -84,6 +84,27 @@ def test_tma_and_wgmma(kernels, rng):
     np.testing.assert_allclose(np.asarray(ac), a64 @ c64, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("d", [128, 256])
+def test_grouped_rows_tile_gathered_from_pages_for_wgmma(kernels, rng, d):
+    """A 64-row tile gathered from four shuffled 16-row pages of head 1 of a [6, 16, 3, d]
+    cache, a page's rows of every 64-column panel one TMA box, landing in 8-row groups of all
+    panels (st atoms::grouped_rows): wgmma reads it K-major (a K^T) and MN-major (p K); with p
+    the identity, p K is the gathered tile itself, exactly."""
+    cache = rng.standard_normal((6, 16, 3, d)).astype(jnp.bfloat16)
+    pages = rng.permutation(6)[:4].astype(np.int32)
+    a = rng.standard_normal((64, d)).astype(jnp.bfloat16)
+    p = rng.standard_normal((64, 64)).astype(jnp.bfloat16)
+    k64 = cache[pages, :, 1, :].reshape(64, d).astype(np.float64)
+    outs = [jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((64, d), jnp.float32)]
+    call = lambda p: _call("tk_test_grouped_rows", outs, jnp.asarray(a), jnp.asarray(p), jnp.asarray(cache),
+                           jnp.asarray(pages))
+    abt, pk = call(p)
+    np.testing.assert_allclose(np.asarray(abt), a.astype(np.float64) @ k64.T, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(pk), p.astype(np.float64) @ k64, rtol=1e-4, atol=1e-3)
+    _, k_back = call(np.eye(64, dtype=jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(k_back), k64.astype(np.float32))
+
+
 def test_producer_consumer_ring(kernels, rng):
     """Two two-slot rings, phases wrapping twice: five TMA tiles through one, five rows of random
     column weights through the other, stored by a producer warp's lanes; the consumer

@@ -1,7 +1,8 @@
 // Test-only kernels for the warpgroup level: TMA tile loads completing on an mbarrier, then
 // wgmma with both operands in shared memory (A B^T, K-major) and with A in registers and B
-// MN-major (A C); fp32 shared tiles added to global memory by TMA bulk reductions. Compared
-// with numpy by tests/test_kittens_gpu.py.
+// MN-major (A C), on panel-major tiles and on grouped-rows tiles gathered from pages; fp32
+// shared tiles added to global memory by TMA bulk reductions. Compared with numpy by
+// tests/test_kittens_gpu.py.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -72,6 +73,96 @@ ffi::Error Wgmma(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi:
   const cudaError_t err = launch_with_shared<wgmma_test_kernel>(1, 128, smem, stream, args);
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("tk_test_wgmma: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
+}
+
+// ---- grouped rows: a 64-row tile gathered from GATHER_PAGES pages of GATHER_PAGE_ROWS rows of a
+// paged [pages, page rows, heads, D] cache (one head), a page's rows of every 64-column panel one
+// TMA box (make_grouped_rows_map), landing in 8-row groups of all panels; then wgmma reads it
+// K-major (a K^T, both operands in shared memory) and MN-major (p K, p in registers) ----
+constexpr int GATHER_PAGES = 4, GATHER_PAGE_ROWS = 16, GATHER_HEAD = 1;
+
+struct GatherTestArgs {
+  CUtensorMap a, p, cache;  // a [64, D], p [64, 64] (panel by panel); the cache in grouped rows
+  const int32_t* pages;     // [GATHER_PAGES]: the tile's pages, in order
+  float* abt;               // [64, 64] = a K^T
+  float* pk;                // [64, D]  = p K
+};
+
+template <int D>
+struct gather_test_shared {
+  st<bf16, 64, D> a;
+  st<bf16, 64, 64> p;
+  st<bf16, 64, D, atoms::grouped_rows> k;
+  tma::barrier loaded;
+};
+
+template <int D>
+__global__ void __launch_bounds__(128) gather_test_kernel(const __grid_constant__ GatherTestArgs args) {
+  extern __shared__ char smem_raw[];
+  auto& s = aligned_shared<gather_test_shared<D>>(smem_raw);
+  if (threadIdx.x == 0) {
+    tma::init(s.loaded, 1);
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    tma::expect_bytes(s.loaded, sizeof(s.a) + sizeof(s.p) + sizeof(s.k));
+    tma::load_async(&s.a, args.a, s.loaded, 0, 0, 0, 0, 0);
+    tma::load_async(&s.p, args.p, s.loaded, 0, 0, 0, 0, 0);
+    for (int i = 0; i < GATHER_PAGES; i++) {  // coordinates: (0, 0, 0, 8-row group, head)
+      char* dst = reinterpret_cast<char*>(s.k.data) + s.k.row_offset(i * GATHER_PAGE_ROWS, 0);
+      tma::load_async(dst, args.cache, s.loaded, 0, 0, 0, args.pages[i] * (GATHER_PAGE_ROWS / 8), GATHER_HEAD);
+    }
+  }
+  tma::wait(s.loaded, 0);
+
+  const int row0 = 16 * warpgroup::warp_in_group();
+  rt_fl<16, 64> abt;
+  warpgroup::mma_ABt(abt, s.a, s.k, false);
+  warpgroup::wait<0>();
+  store(gl<float>::contiguous(args.abt, 1, 64, 1, 64), abt, {0, 0, row0});
+
+  rt<bf16, 16, 64> p_regs;
+  load(p_regs, s.p, row0, 0);
+  rt_fl<16, D> pk;
+  zero(pk);
+  warpgroup::mma_AB(pk, p_regs, s.k, true);
+  warpgroup::wait<0>();
+  store(gl<float>::contiguous(args.pk, 1, 64, 1, D), pk, {0, 0, row0});
+}
+
+template <int D>
+ffi::Error launch_gather_test(cudaStream_t stream, GatherTestArgs& args, const void* a, const void* p,
+                              const void* cache, int pages, int heads) {
+  if (!tma::make_bshd_map(&args.a, a, true, 1, 64, 1, D, 64) ||
+      !tma::make_bshd_map(&args.p, p, true, 1, 64, 1, 64, 64) ||
+      !tma::make_grouped_rows_map(&args.cache, cache, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, pages, GATHER_PAGE_ROWS,
+                                  heads, D, GATHER_PAGE_ROWS))
+    return ffi::Error::Internal("tk_test_grouped_rows: tensor map encoding failed");
+  const int smem = int(sizeof(gather_test_shared<D>)) + 1024;
+  const cudaError_t err = launch_with_shared<gather_test_kernel<D>>(1, 128, smem, stream, args);
+  if (err != cudaSuccess)
+    return ffi::Error::Internal(std::string("tk_test_grouped_rows: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedRows(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::BF16> p,
+                       ffi::Buffer<ffi::BF16> cache, ffi::Buffer<ffi::S32> pages,
+                       ffi::Result<ffi::Buffer<ffi::F32>> abt, ffi::Result<ffi::Buffer<ffi::F32>> pk) {
+  const auto c = cache.dimensions();
+  if (c.size() != 4 || c[1] != GATHER_PAGE_ROWS || c[2] <= GATHER_HEAD || (c[3] != 128 && c[3] != 256))
+    return ffi::Error::InvalidArgument("cache must be [pages, 16, heads > 1, 128 or 256]");
+  const int64_t d = c[3];
+  if (a.element_count() != 64 * d || p.element_count() != 64 * 64 || pages.element_count() != GATHER_PAGES ||
+      abt->element_count() != 64 * 64 || pk->element_count() != 64 * d)
+    return ffi::Error::InvalidArgument("a must be [64, D], p [64, 64], pages [4]; abt [64, 64], pk [64, D]");
+  GatherTestArgs args{};
+  args.pages = pages.typed_data();
+  args.abt = abt->typed_data();
+  args.pk = pk->typed_data();
+  const void *a_ptr = a.untyped_data(), *p_ptr = p.untyped_data(), *cache_ptr = cache.untyped_data();
+  return d == 128 ? launch_gather_test<128>(stream, args, a_ptr, p_ptr, cache_ptr, int(c[0]), int(c[2]))
+                  : launch_gather_test<256>(stream, args, a_ptr, p_ptr, cache_ptr, int(c[0]), int(c[2]));
 }
 
 // ---- the producer/consumer ring, filled both ways: 5 tiles through 2 slots by TMA, and 5 rows
@@ -308,6 +399,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_wgmma, Wgmma,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_grouped_rows, GroupedRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // a
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // p
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pages
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // abt
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // pk
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tk_test_mailbox, Mailbox,
                               ffi::Ffi::Bind()

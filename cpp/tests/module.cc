@@ -13,6 +13,7 @@ XLA_FFI_Error* tk_test_mma_bf16(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_mma_f16(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_rowops(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_wgmma(XLA_FFI_CallFrame*);
+XLA_FFI_Error* tk_test_grouped_rows(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_ring(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_bulk_add(XLA_FFI_CallFrame*);
 XLA_FFI_Error* tk_test_fragment_add(XLA_FFI_CallFrame*);
@@ -33,6 +34,7 @@ NB_MODULE(_tk_tests, m) {
     targets["tk_test_mma_f16"] = nb::capsule(reinterpret_cast<void*>(tk_test_mma_f16));
     targets["tk_test_rowops"] = nb::capsule(reinterpret_cast<void*>(tk_test_rowops));
     targets["tk_test_wgmma"] = nb::capsule(reinterpret_cast<void*>(tk_test_wgmma));
+    targets["tk_test_grouped_rows"] = nb::capsule(reinterpret_cast<void*>(tk_test_grouped_rows));
     targets["tk_test_ring"] = nb::capsule(reinterpret_cast<void*>(tk_test_ring));
     targets["tk_test_bulk_add"] = nb::capsule(reinterpret_cast<void*>(tk_test_bulk_add));
     targets["tk_test_fragment_add"] = nb::capsule(reinterpret_cast<void*>(tk_test_fragment_add));
