@@ -34,9 +34,13 @@ echo "build: $(($(date +%s) - start)) s"
 python3 -m tk_jax info | grep -E "jaxlib|xla_ffi|have_kernels"
 
 # The slowest tests are listed last: the whole GPU suite does not fit one device call, and
-# TK_GPU_TESTS (a list of test files) splits it.
+# TK_GPU_TESTS (a list of test files) splits it. Each test's time also goes to
+# test_times.txt as it ends (conftest.py), which comes back when the call is cut short.
+export TK_TEST_TIMES="$LOG/test_times.txt"
+rm -f "$TK_TEST_TIMES"
 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 "$@" ${TK_GPU_TESTS:-tests} 2>&1 | tee "$LOG/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
+python3 scripts/test_times.py "$TK_TEST_TIMES"
 
 if [ "${TK_SANITIZE:-0}" = 1 ]; then
   for tool in memcheck racecheck synccheck; do

@@ -21,6 +21,16 @@ BASED_CONVENTIONS_STAND_IN = {"feature_dim": 16, "num_features": 273, "chunk": 6
 MULTIPROCESSOR_COUNT_STAND_IN = 132
 
 
+def pytest_runtest_logreport(report):
+    """With TK_TEST_TIMES naming a file, each test phase's seconds and outcome are appended to
+    it as the phase ends, so that a GPU run cut short by its time limit still says where its
+    time went (pytest's --durations prints only at the end)."""
+    path = os.environ.get("TK_TEST_TIMES")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.2f} {report.when} {report.outcome} {report.nodeid}\n")
+
+
 @pytest.fixture
 def rng(request):
     """A fresh random generator per test; the seed is in the test's name on failure."""
