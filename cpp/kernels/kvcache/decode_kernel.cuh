@@ -9,8 +9,9 @@
 // more than 64 (MQA with several tokens) at D <= 128 (block_shape_of): then two
 // consumer warpgroups share the K/V tiles, read once for all 128. It has two roles:
 //   - a producer warp streams key tiles of K and V into rings of shared-memory stages with TMA,
-//     as boxes of a few rows of one 64-column panel (at most a page), a box a lane; a paged
-//     cache's page ids are read from the page table 32 at a time across the warp;
+//     as boxes of a few rows of one 64-column panel (at most a page), a box a lane, or of a
+//     page's rows of every panel (one KV head a block on pages under 64 keys at D >= 128:
+//     grouped_rows_of); a paged cache's page ids are read 32 at a time across the warp;
 //   - one consumer warpgroup per 64 rows (Q in registers, or in shared memory at D = 256) runs
 //     the online softmax over the tiles, as the attention forward does:
 //       S = Q K^T;  m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
@@ -51,7 +52,8 @@ constexpr int PACKED_ROWS = 64;
 // page up, and tiles of fewer boxes read faster: at D = 64, 64-row boxes read 3.57 TB/s for
 // 64-key pages and 3.56 for 256-key pages where 16-row boxes read 2.67 and 2.77 (contiguous
 // 3.54-3.60; H200, B8 S32k 32/8, one token, same run). But not one box of all panels: pages of
-// a tile or more loaded that way read 3.2 TB/s at D = 128 where these boxes read 4.1 (H200).
+// a tile or more loaded that way read 3.2 TB/s at D = 128 where these boxes read 4.1 (H200);
+// smaller pages of one KV head do (grouped_rows_of).
 constexpr int box_keys(int head_dim, bool paged, int page_size, int tile_keys) {
   if (!paged) return head_dim == 64 ? 16 : 64;
   const int page_box = page_size < 64 ? page_size : 64;
@@ -127,8 +129,9 @@ struct decode_config {
 // How a block's K and V tiles are laid out in shared memory: panel by panel, or, where a block
 // reads one KV head of a paged cache with pages under 64 keys at D >= 128, in 8-row groups of
 // all panels, so that a page's rows of every panel are one box (fewer, larger boxes: a 16-key
-// page at D = 128 is one 4 KB box, not two of 2 KB). Not past 2^31 8-row groups of pages (TMA
-// coordinates are int).
+// page at D = 128 is one 4 KB box, not two of 2 KB; MQA on 16-key pages at D = 128 read
+// 0.75-0.86x of contiguous in panels, 0.92-0.96x so, H200). Not past 2^31 8-row groups of pages
+// (TMA coordinates are int).
 inline bool grouped_rows_of(int head_dim, bool paged, int page_size, int64_t pages, block_shape shape) {
   return paged && page_size < 64 && head_dim >= 128 && shape.heads == 1 && pages * page_size / 8 < (int64_t(1) << 31);
 }
