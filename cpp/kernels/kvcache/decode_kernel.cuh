@@ -147,7 +147,8 @@ struct decode_shared {
 };
 
 struct DecodeArgs {
-  CUtensorMap k, v;  // boxes of one 64-column panel: box_keys(...) keys of the block's KV heads
+  CUtensorMap k, v;  // boxes of box_keys(...) keys of the block's KV heads, of one 64-column
+                     // panel (of every panel in grouped rows)
   Params p;
 };
 
