@@ -15,6 +15,26 @@ using namespace kittens;
 
 namespace {
 
+// The two products the wgmma tests check, by the warpgroup, each stored row-major into global
+// memory: x y^T (x and y K-major in shared memory) and r z, r being this warp's 16 rows of w
+// loaded into registers and z MN-major in shared memory.
+template <typename X, typename Y, typename W, typename Z>
+__device__ void store_products(const X& x, const Y& y, const W& w, const Z& z, float* xyt, float* rz) {
+  const int row0 = 16 * warpgroup::warp_in_group();
+  rt_fl<16, Y::rows> xy;
+  warpgroup::mma_ABt(xy, x, y, false);
+  warpgroup::wait<0>();
+  store(gl<float>::contiguous(xyt, 1, 64, 1, Y::rows), xy, {0, 0, row0});
+
+  rt<bf16, 16, W::cols> r;
+  load(r, w, row0, 0);
+  rt_fl<16, Z::cols> product;
+  zero(product);
+  warpgroup::mma_AB(product, r, z, true);
+  warpgroup::wait<0>();
+  store(gl<float>::contiguous(rz, 1, 64, 1, Z::cols), product, {0, 0, row0});
+}
+
 struct WgmmaTestArgs {
   CUtensorMap a, b, c;  // a [64, 64], b [64, 64], c [64, 128], all bf16
   float* abt;           // [64, 64]  = a b^T
@@ -42,20 +62,7 @@ __global__ void __launch_bounds__(128) wgmma_test_kernel(const __grid_constant__
     tma::load_async(&s.c, args.c, s.loaded, 0, 0, 0, 0, 0);
   }
   tma::wait(s.loaded, 0);
-
-  const int row0 = 16 * warpgroup::warp_in_group();
-  rt_fl<16, 64> abt;
-  warpgroup::mma_ABt(abt, s.a, s.b, false);
-  warpgroup::wait<0>();
-  store(gl<float>::contiguous(args.abt, 1, 64, 1, 64), abt, {0, 0, row0});
-
-  rt<bf16, 16, 64> a_regs;
-  load(a_regs, s.a, row0, 0);
-  rt_fl<16, 128> ac;
-  zero(ac);
-  warpgroup::mma_AB(ac, a_regs, s.c, true);
-  warpgroup::wait<0>();
-  store(gl<float>::contiguous(args.ac, 1, 64, 1, 128), ac, {0, 0, row0});
+  store_products(s.a, s.b, s.a, s.c, args.abt, args.ac);
 }
 
 ffi::Error Wgmma(cudaStream_t stream, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::BF16> b, ffi::Buffer<ffi::BF16> c,
@@ -115,20 +122,7 @@ __global__ void __launch_bounds__(128) gather_test_kernel(const __grid_constant_
     }
   }
   tma::wait(s.loaded, 0);
-
-  const int row0 = 16 * warpgroup::warp_in_group();
-  rt_fl<16, 64> abt;
-  warpgroup::mma_ABt(abt, s.a, s.k, false);
-  warpgroup::wait<0>();
-  store(gl<float>::contiguous(args.abt, 1, 64, 1, 64), abt, {0, 0, row0});
-
-  rt<bf16, 16, 64> p_regs;
-  load(p_regs, s.p, row0, 0);
-  rt_fl<16, D> pk;
-  zero(pk);
-  warpgroup::mma_AB(pk, p_regs, s.k, true);
-  warpgroup::wait<0>();
-  store(gl<float>::contiguous(args.pk, 1, 64, 1, D), pk, {0, 0, row0});
+  store_products(s.a, s.k, s.p, s.k, args.abt, args.pk);
 }
 
 template <int D>
