@@ -83,7 +83,7 @@ for dv in (64, 128) if "based" in which else ():  # Based: two chunks, the secon
 # 16/4 x 4: 16 rows a KV head (16-key pages: four a block, a warp each); 32/4 x 4: 32 rows a KV
 # head (16-key pages: four a block, two warps each, at D = 128; two heads at D = 64); 16/1 x 4:
 # 64 rows, one KV head a block (16-key pages at D >= 128: grouped rows); 32/1 x 4: 128 rows, two
-# consumer warpgroups at D <= 128.
+# consumer warpgroups.
 for d, (hq, hkv) in itertools.product((64, 128, 256), ((8, 2), (16, 4), (32, 4), (16, 1), (32, 1))) \
         if "kvcache" in which else ():
     b, s, tq = 3, 300, 4

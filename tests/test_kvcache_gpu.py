@@ -184,13 +184,13 @@ def test_contiguous_cache(rng, dtype, d, heads, tq):
     check_against_reference(q, k, v, seqlens, scale=1 / math.sqrt(d), window_left=-1, window_right=0)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [None, 16, 64])
 def test_two_consumer_warpgroups_past_the_rings_first_lap(rng, d, page_size):
     """MQA x 4 tokens (128 packed rows: two consumer warpgroups share the K/V stages) over 2000
     keys in one split: more key tiles than the ring has stages (six at D = 64, three at
-    D = 128), so every stage is refilled and its barriers' phases wrap: the other tests'
-    caches (300-900 keys) never take two warpgroups that far."""
+    D = 128, two at D = 256), so every stage is refilled and its barriers' phases wrap: the
+    other tests' caches (300-900 keys) never take two warpgroups that far."""
     q, k, v, seqlens = make_case(rng, 3, 2000, 32, 1, d, 4, jnp.bfloat16)
     table = None
     if page_size:

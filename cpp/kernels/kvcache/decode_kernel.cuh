@@ -6,8 +6,8 @@
 // heads_kv), so one pass over a KV head's keys serves all of them. A block owns 64 packed rows of
 // one (batch row, KV head) and one split of its keys (several splits when batch x heads_kv
 // cannot fill the card; the combine pass merges them), or 128 packed rows where a KV head has
-// more than 64 (MQA with several tokens) at D <= 128 (block_shape_of): then two
-// consumer warpgroups share the K/V tiles, read once for all 128. It has two roles:
+// more than 64 (MQA with several tokens; block_shape_of): then two consumer warpgroups share
+// the K/V tiles, read once for all 128. It has two roles:
 //   - a producer warp streams key tiles of K and V into rings of shared-memory stages with TMA,
 //     as boxes of a few rows of one 64-column panel (at most a page), a box a lane, or of a
 //     page's rows of every panel (one KV head a block on pages under 64 keys at D >= 128:
@@ -62,9 +62,8 @@ constexpr int box_keys(int head_dim, bool paged, int page_size, int tile_keys) {
 
 // The shape of a block: the KV heads it reads together and its consumer warpgroups.
 // Consumer warpgroups: two where a KV head has more than 64 packed rows (MQA with several
-// tokens) at D <= 128, so that its keys are read once for 128 of them (kvcache.cu's shape_of
-// says what was measured), or where four KV heads take two warps each; else one (always at
-// D = 256, whose Q lives in shared memory).
+// tokens), so that its keys are read once for 128 of them (kvcache.cu's shape_of says what was
+// measured), or where four KV heads take two warps each; else one.
 // KV heads: pages smaller than 64 keys, read in boxes of one KV head, a page each with its
 // lookup (2 KB boxes at 16 keys), ran at ~0.74x of contiguous caches. A block of several KV
 // heads loads each page of all of them at once (one lookup, boxes of heads x page_size rows),
@@ -94,12 +93,11 @@ constexpr block_shape block_shape_of(int heads_q, int heads_kv, int seq_q, int h
     if (rows <= 32 && heads_kv % 4 == 0 && head_dim == 128) return {4, 2};
     if (rows <= 32 && heads_kv % 2 == 0) return {2, 1};
   }
-  return {1, rows > PACKED_ROWS && head_dim <= 128 ? 2 : 1};
+  return {1, rows > PACKED_ROWS ? 2 : 1};
 }
 
 template <int D, int GROUPS>
 struct decode_config {
-  static_assert(GROUPS == 1 || (GROUPS == 2 && D <= 128), "two consumer warpgroups only at D <= 128");
   static constexpr int KV = keys_per_tile(D, GROUPS);  // keys per tile
   static constexpr int ROWS = PACKED_ROWS * GROUPS;  // packed rows per block
   // One block an SM (ncu: its registers and shared memory leave no room for a second; the
@@ -108,17 +106,19 @@ struct decode_config {
   // hold (six stages of 32 KB at D = 64, three of 64 KB at D = 128).
   static constexpr int BLOCKS_PER_SM = 1;
   static constexpr int STAGE_BYTES = 2 * KV * D * 2;  // K and V tiles of 2-byte elements
-  static constexpr int STAGES = GROUPS == 1 ? 3 : 192 * 1024 / STAGE_BYTES;
   // Q stays in registers for the whole walk, except at D = 256 where O alone takes 128
-  // registers a thread: there it is read from shared memory by each product.
+  // registers a thread: there it is read from shared memory by each product (a 64-row tile a
+  // consumer warpgroup, 64 KB for two, which leaves two stages of 64 KB beside them).
   static constexpr bool Q_IN_SHARED = D == 256;
+  static constexpr int STAGES = GROUPS == 1 ? 3 : (Q_IN_SHARED ? 128 : 192) * 1024 / STAGE_BYTES;
   static constexpr int CONSUMER_THREADS = 128 * GROUPS;  // warpgroups 0 (and 1): the consumers
   // The producer, after the consumers: one warp, or with two consumer warpgroups a whole
   // warpgroup (one warp of it loads) that hands its registers to the consumers (setmaxnreg
   // moves them per warpgroup; a ninth warp alone would cap every thread at 168).
   static constexpr int PRODUCER_THREADS = GROUPS == 2 ? 128 : 32;
   static constexpr int THREADS = CONSUMER_THREADS + PRODUCER_THREADS;
-  static constexpr int PRODUCER_REGS = 40;
+  // At D = 256 the consumers keep the 240 registers one warpgroup uses there.
+  static constexpr int PRODUCER_REGS = D == 256 ? 32 : 40;
   static constexpr int CONSUMER_REGS = warpgroup::consumer_registers(1, PRODUCER_REGS, GROUPS);
   // Registers a thread may use at launch: one consumer warpgroup at D <= 128 is capped at 200
   // (a few bytes spill; six stages and no cap, where ptxas takes ~220, ran up to 7% slower at
@@ -142,7 +142,7 @@ template <typename T, int D, int GROUPS, atoms ORDER = atoms::panel_major>
 struct decode_shared {
   using config = decode_config<D, GROUPS>;
   st<T, config::KV, D, ORDER> k[config::STAGES], v[config::STAGES];
-  std::conditional_t<config::Q_IN_SHARED, st<T, config::ROWS, D>, no_tile> q;
+  std::conditional_t<config::Q_IN_SHARED, st<T, PACKED_ROWS, D>[GROUPS], no_tile> q;  // a tile a warpgroup
   ring<config::STAGES> k_ring, v_ring;
 };
 
@@ -462,8 +462,9 @@ __device__ __forceinline__ void attend(decode_shared<T, D, GROUPS, ORDER>& s, co
 
   rt<T, 16, D> q;
   load_q(q, p, w, rows);
+  const int group = GROUPS == 1 ? 0 : warpgroup::groupid();  // this warpgroup: rows [64 group, + 64)
   if constexpr (config::Q_IN_SHARED) {
-    store(s.q, q, 16 * warpid(), 0);
+    store(s.q[group], q, 16 * (warpid() - 4 * group), 0);
     warpgroup::fence_shared_to_async();
     named_barrier_sync(1, config::CONSUMER_THREADS);
   }
@@ -477,7 +478,7 @@ __device__ __forceinline__ void attend(decode_shared<T, D, GROUPS, ORDER>& s, co
   rt_fl<16, KV> scores;
   auto scores_of = [&](int i) {  // S_i = Q K_i^T, issued asynchronously
     const int stage = s.k_ring.acquire(i);
-    if constexpr (config::Q_IN_SHARED) warpgroup::mma_ABt(scores, s.q, s.k[stage], false);
+    if constexpr (config::Q_IN_SHARED) warpgroup::mma_ABt(scores, s.q[group], s.k[stage], false);
     else warpgroup::mma_ABt(scores, q, s.k[stage], false);
   };
   auto softmax_of = [&](int i) {  // S_i has landed: release K_i, then scores -> P_i

@@ -32,13 +32,16 @@ static block_shape shape_of(const Params& p) {
   return shape_of(p.heads_q, p.heads_kv, p.seq_q, p.head_dim, p.paged ? p.page_size : 0);
 }
 
-static int64_t blocks_per_sm(int64_t head_dim, int groups) {
-  if (groups == 2) return head_dim == 64 ? decode_config<64, 2>::BLOCKS_PER_SM : decode_config<128, 2>::BLOCKS_PER_SM;
+template <int GROUPS>
+static int64_t blocks_per_sm(int64_t head_dim) {
   switch (head_dim) {
-    case 64: return decode_config<64, 1>::BLOCKS_PER_SM;
-    case 128: return decode_config<128, 1>::BLOCKS_PER_SM;
-    default: return decode_config<256, 1>::BLOCKS_PER_SM;
+    case 64: return decode_config<64, GROUPS>::BLOCKS_PER_SM;
+    case 128: return decode_config<128, GROUPS>::BLOCKS_PER_SM;
+    default: return decode_config<256, GROUPS>::BLOCKS_PER_SM;
   }
+}
+static int64_t blocks_per_sm(int64_t head_dim, int groups) {
+  return groups == 2 ? blocks_per_sm<2>(head_dim) : blocks_per_sm<1>(head_dim);
 }
 
 // Blocks of one key split: one per (batch row, block of `heads` KV heads, tile of a block's
@@ -178,17 +181,19 @@ static bool grouped_rows(const Params& p, block_shape shape) {
   return grouped_rows_of(p.head_dim, p.paged, p.page_size, pages, shape);
 }
 
-// The kernel of a block shape (block_shape_of) at head dim D <= 128.
+// The kernel of a block shape (block_shape_of) at head dim D.
 template <typename T, int D>
 static cudaError_t decode_shaped(const Params& p, block_shape shape, cudaStream_t stream) {
   constexpr atoms GROUPED = atoms::grouped_rows;
-  if constexpr (D == 128) {
+  if constexpr (D >= 128)
     if (grouped_rows(p, shape))
       return shape.groups == 2 ? decode_typed<T, D, 2, 1, GROUPED>(p, stream) : decode_typed<T, D, 1, 1, GROUPED>(p, stream);
-    if (shape.heads == 4 && shape.groups == 2) return decode_typed<T, D, 2, 4>(p, stream);  // D = 128 only
+  if constexpr (D <= 128) {  // several KV heads a block (D <= 128 only)
+    if constexpr (D == 128)
+      if (shape.heads == 4 && shape.groups == 2) return decode_typed<T, D, 2, 4>(p, stream);
+    if (shape.heads == 4) return decode_typed<T, D, 1, 4>(p, stream);
+    if (shape.heads == 2) return decode_typed<T, D, 1, 2>(p, stream);
   }
-  if (shape.heads == 4) return decode_typed<T, D, 1, 4>(p, stream);
-  if (shape.heads == 2) return decode_typed<T, D, 1, 2>(p, stream);
   return shape.groups == 2 ? decode_typed<T, D, 2>(p, stream) : decode_typed<T, D, 1>(p, stream);
 }
 
@@ -198,9 +203,7 @@ static cudaError_t decode_dim(const Params& p, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64: return decode_shaped<T, 64>(p, shape, stream);
     case 128: return decode_shaped<T, 128>(p, shape, stream);
-    case 256:
-      return grouped_rows(p, shape) ? decode_typed<T, 256, 1, 1, atoms::grouped_rows>(p, stream)
-                                    : decode_typed<T, 256, 1>(p, stream);
+    case 256: return decode_shaped<T, 256>(p, shape, stream);
     default: return cudaErrorInvalidValue;
   }
 }
