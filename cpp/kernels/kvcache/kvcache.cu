@@ -24,7 +24,10 @@ static int64_t packed_rows(int64_t heads_q, int64_t heads_kv, int64_t seq_q) {
 // 256 MiB cells). At D = 128 the H100 once had contiguous blocks of 64 rows 5-17% faster; on an
 // H200 (same runs, 128 MiB-1 GiB cells) they read 1.71-1.97 TB/s, bound by their products (each
 // block multiplies every key tile), and two warpgroups 2.49-3.09 (then with 128-key tiles,
-// keys_per_tile, and 64-row boxes, 2.51-3.76 in the 128 MiB-4 GiB cells).
+// keys_per_tile, and 64-row boxes, 2.51-3.76 in the 128 MiB-4 GiB cells). At D = 256 (H200,
+// MQA x 4 tokens, S32k, same run) two warpgroups read B64 at 3.51 TB/s on 16-key pages (3.02 as
+// two blocks of 64 rows), 3.55 on 64-key pages (3.12), 3.79 contiguous (3.61); B8 paged within
+// 1%, B8 contiguous 2.98 against 3.23 (two stages of 64 KB a block beside Q, not three).
 static block_shape shape_of(int64_t heads_q, int64_t heads_kv, int64_t seq_q, int64_t head_dim, int64_t page_size) {
   return block_shape_of(int(heads_q), int(heads_kv), int(seq_q), int(head_dim), page_size > 0, int(page_size));
 }
