@@ -11,7 +11,8 @@
 //   - a producer warp streams key tiles of K and V into rings of shared-memory stages with TMA,
 //     as boxes of a few rows of one 64-column panel (at most a page), a box a lane, or of a
 //     page's rows of every panel (one KV head a block on pages under 64 keys at D >= 128:
-//     grouped_rows_of); a paged cache's page ids are read 32 at a time across the warp;
+//     grouped_rows_of); a paged cache's page ids are read 32 at a time across the warp; where
+//     boxes are of 16 keys, a second warp takes V's;
 //   - one consumer warpgroup per 64 rows (Q in registers, or in shared memory at D = 256) runs
 //     the online softmax over the tiles, as the attention forward does:
 //       S = Q K^T;  m' = max(m, rowmax S);  P = 2^(c S - c m');  l = 2^(c m - c m') l + rowsum P
@@ -42,7 +43,7 @@ using namespace kittens;
 // Packed query rows per consumer warpgroup: the M of its products.
 constexpr int PACKED_ROWS = 64;
 // Key tiles are loaded as boxes of this many keys (of each of the block's KV heads) of one
-// 64-column panel, a box a lane of the producer warp; tile_keys: a tile's keys of each head.
+// 64-column panel, a box a lane of a producer warp; tile_keys: a tile's keys of each head.
 // A contiguous cache's: at D = 64 (a tile of 128 rows of 128 bytes, rows a KV head apart) one
 // box a tile read 2.33-2.58 TB/s where 16-row boxes read 2.67-2.87 (B 1 and 8, 128k keys, 32/8
 // and 64/8; 32-row boxes 2.47-2.64, 8-row 2.34-2.60; H100, same runs). At D = 128 the 64-key
@@ -112,10 +113,11 @@ struct decode_config {
   static constexpr bool Q_IN_SHARED = D == 256;
   static constexpr int STAGES = GROUPS == 1 ? 3 : (Q_IN_SHARED ? 128 : 192) * 1024 / STAGE_BYTES;
   static constexpr int CONSUMER_THREADS = 128 * GROUPS;  // warpgroups 0 (and 1): the consumers
-  // The producer, after the consumers: one warp, or with two consumer warpgroups a whole
-  // warpgroup (one warp of it loads) that hands its registers to the consumers (setmaxnreg
-  // moves them per warpgroup; a ninth warp alone would cap every thread at 168).
-  static constexpr int PRODUCER_THREADS = GROUPS == 2 ? 128 : 32;
+  // The producer, after the consumers: two warps (load_tiles says which of them load), or with
+  // two consumer warpgroups a whole warpgroup (two warps of it load) that hands its registers
+  // to the consumers (setmaxnreg moves them per warpgroup; a ninth warp alone would cap every
+  // thread at 168).
+  static constexpr int PRODUCER_THREADS = GROUPS == 2 ? 128 : 64;
   static constexpr int THREADS = CONSUMER_THREADS + PRODUCER_THREADS;
   // At D = 256 the consumers keep the 240 registers one warpgroup uses there.
   static constexpr int PRODUCER_REGS = D == 256 ? 32 : 40;
@@ -212,7 +214,7 @@ __device__ __forceinline__ int tile_row(int key, int h, int box, int heads) {
 // ---------------------------------------------------------------------------------------------
 // Producer
 
-// The page-table entries of one batch row, read 32 at a time across the producer warp (lane l
+// The page-table entries of one batch row, read 32 at a time across a producer warp (lane l
 // holds entry base + l, and the next 32 are already on their way), turned into page indices
 // of the cache: clamped into the row's pool. Entries from `readable` on are never read.
 struct page_window {
@@ -253,19 +255,21 @@ struct page_window {
   }
 };
 
-// The producer warp: K and V of tiles first_tile, first_tile + 1, ... as uses 0, 1, ... of
-// their rings.
-template <typename T, int D, int GROUPS, atoms ORDER>
-__device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS, ORDER>& s, const DecodeArgs& args,
-                                           const block_work& w) {
+// K (tensor 0) and/or V (tensor 1), tensors FIRST..LAST, of tiles first_tile, first_tile + 1,
+// ... as uses 0, 1, ... of their rings, by one producer warp.
+template <int FIRST, int LAST, typename T, int D, int GROUPS, atoms ORDER>
+__device__ __forceinline__ void load_tensors(decode_shared<T, D, GROUPS, ORDER>& s, const DecodeArgs& args,
+                                             const block_work& w) {
   constexpr int KV = decode_config<D, GROUPS>::KV;
   constexpr bool GROUPED = ORDER == atoms::grouped_rows;  // a box holds every panel
   const Params& p = args.p;
   const int lane = laneid();
-  // K, then V, of tile i into `stage`, by the whole warp: lane 0 waits until the stage is free
-  // and sets the bytes to expect, then load(tile, map, full) issues the lanes' boxes.
+  const int box = box_keys(D, p.paged, p.page_size, w.keys);
+  // This warp's K and/or V of tile i into `stage`: lane 0 waits until the stage is free and sets
+  // the bytes to expect, then load(tile, map, full) issues the lanes' boxes.
   auto k_and_v = [&](int i, int stage, uint32_t bytes, auto load) {
-    for (int kv = 0; kv < 2; kv++) {
+#pragma unroll
+    for (int kv = FIRST; kv <= LAST; kv++) {
       auto& ring = kv == 0 ? s.k_ring : s.v_ring;
       if (lane == 0) ring.fill(i, bytes);
       __syncwarp();
@@ -276,7 +280,6 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS, ORDER>& s
   // grouped rows: of one head in every panel), a box a lane: lane j loads keys [j % key_boxes *
   // box, + box) of the tile's, panel j / key_boxes (tile_row says where they land). A box never
   // crosses a page.
-  const int box = box_keys(D, p.paged, p.page_size, w.keys);
   const int key_boxes = w.keys / box, panel = lane / key_boxes, row = lane % key_boxes * box;
   const bool boxed = lane < key_boxes * (GROUPED ? 1 : D / 64);
   static_assert(KV / 16 * (D / 64) <= WARP_THREADS, "a box a lane, pages of 16 keys included");
@@ -310,6 +313,24 @@ __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS, ORDER>& s
       else
         tma::load_async(box_of(tile), map, full, 0, key % p.page_size, panel, w.kv_h, page);
     });
+  }
+}
+
+// Producer warp `warp` (0 or 1) of a block. Where tiles come in 16-key boxes (pages of 16 keys,
+// or a contiguous cache at D = 64) the producer's time is in issuing boxes, so warp 0 loads K and
+// warp 1 V, each issuing half of them; with larger boxes a second issuing warp gained nothing,
+// and warp 0 loads both. (MQA, H200, same run: 16-key pages +2..+22%, D = 64 contiguous -4..+9%;
+// 32-key pages -12..+5%, contiguous D = 128 within noise.)
+template <typename T, int D, int GROUPS, atoms ORDER>
+__device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS, ORDER>& s, const DecodeArgs& args,
+                                           const block_work& w, int warp) {
+  const bool split = box_keys(D, args.p.paged, args.p.page_size, w.keys) == 16;
+  if (!split) {
+    if (warp == 0) load_tensors<0, 1>(s, args, w);
+  } else if (warp == 0) {
+    load_tensors<0, 0>(s, args, w);
+  } else {
+    load_tensors<1, 1>(s, args, w);
   }
 }
 
@@ -616,12 +637,13 @@ __global__ void __launch_bounds__(config::THREADS, 1) __maxnreg__(config::MAX_RE
     if constexpr (HEADS > 1) attend_own_head<T, D, GROUPS, HEADS>(s, args.p, w);
     else attend(s, args.p, w);
   };
+  const int producer_warp = (int(threadIdx.x) - config::CONSUMER_THREADS) / 32;
   if constexpr (GROUPS == 1) {
-    if (threadIdx.x >= config::CONSUMER_THREADS) load_tiles(s, args, w);
+    if (threadIdx.x >= config::CONSUMER_THREADS) load_tiles(s, args, w, producer_warp);
     else consume();
   } else if (threadIdx.x >= config::CONSUMER_THREADS) {
     warpgroup::decrease_registers<config::PRODUCER_REGS>();
-    if (threadIdx.x < config::CONSUMER_THREADS + 32) load_tiles(s, args, w);
+    if (producer_warp < 2) load_tiles(s, args, w, producer_warp);
   } else {
     warpgroup::increase_registers<config::CONSUMER_REGS>();
     consume();
