@@ -319,8 +319,8 @@ __device__ __forceinline__ void load_tensors(decode_shared<T, D, GROUPS, ORDER>&
 // Producer warp `warp` (0 or 1) of a block. Where tiles come in 16-key boxes (pages of 16 keys,
 // or a contiguous cache at D = 64) the producer's time is in issuing boxes, so warp 0 loads K and
 // warp 1 V, each issuing half of them; with larger boxes a second issuing warp gained nothing,
-// and warp 0 loads both. (MQA, H200, same run: 16-key pages +2..+22%, D = 64 contiguous -4..+9%;
-// 32-key pages -12..+5%, contiguous D = 128 within noise.)
+// and warp 0 loads both. (Both warps always splitting, MQA, H200, same run: 16-key pages
+// -2..+22%, D = 64 contiguous -4..+9%; 32-key pages -5..+5%, contiguous D = 128 within noise.)
 template <typename T, int D, int GROUPS, atoms ORDER>
 __device__ __forceinline__ void load_tiles(decode_shared<T, D, GROUPS, ORDER>& s, const DecodeArgs& args,
                                            const block_work& w, int warp) {
