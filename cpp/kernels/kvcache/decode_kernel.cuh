@@ -104,7 +104,8 @@ struct decode_config {
   // One block an SM (ncu: its registers and shared memory leave no room for a second; the
   // register file's four sub-partitions hold 16K registers each). K/V tiles in flight: three
   // for one consumer warpgroup (stages of 32 KB, 64 KB at D = 256), for two as many as 192 KB
-  // hold (six stages of 32 KB at D = 64, three of 64 KB at D = 128).
+  // hold (six stages of 32 KB at D = 64, three of 64 KB at D = 128; at D = 256 two of 64 KB,
+  // beside Q's 64 KB).
   static constexpr int BLOCKS_PER_SM = 1;
   static constexpr int STAGE_BYTES = 2 * KV * D * 2;  // K and V tiles of 2-byte elements
   // Q stays in registers for the whole walk, except at D = 256 where O alone takes 128
