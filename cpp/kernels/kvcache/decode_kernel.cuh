@@ -63,8 +63,8 @@ constexpr int box_keys(int head_dim, bool paged, int page_size, int tile_keys) {
 
 // The shape of a block: the KV heads it reads together and its consumer warpgroups.
 // Consumer warpgroups: two where a KV head has more than 64 packed rows (MQA with several
-// tokens), so that its keys are read once for 128 of them (kvcache.cu's shape_of says what was
-// measured), or where four KV heads take two warps each; else one.
+// tokens), so that its keys are read once for 128 of them (decode_launch.cuh's shape_of says
+// what was measured), or where four KV heads take two warps each; else one.
 // KV heads: pages smaller than 64 keys, read in boxes of one KV head, a page each with its
 // lookup (2 KB boxes at 16 keys), ran at ~0.74x of contiguous caches. A block of several KV
 // heads loads each page of all of them at once (one lookup, boxes of heads x page_size rows),
