@@ -47,14 +47,19 @@ struct wgmma_test_shared {
   tma::barrier loaded;
 };
 
-__global__ void __launch_bounds__(128) wgmma_test_kernel(const __grid_constant__ WgmmaTestArgs args) {
-  extern __shared__ char smem_raw[];
-  auto& s = aligned_shared<wgmma_test_shared>(smem_raw);
+// The block's one TMA barrier, set up by thread 0 and visible to every thread after.
+__device__ __forceinline__ void init_loaded_barrier(tma::barrier& loaded) {
   if (threadIdx.x == 0) {
-    tma::init(s.loaded, 1);
+    tma::init(loaded, 1);
     tma::fence_barrier_init();
   }
   __syncthreads();
+}
+
+__global__ void __launch_bounds__(128) wgmma_test_kernel(const __grid_constant__ WgmmaTestArgs args) {
+  extern __shared__ char smem_raw[];
+  auto& s = aligned_shared<wgmma_test_shared>(smem_raw);
+  init_loaded_barrier(s.loaded);
   if (threadIdx.x == 0) {
     tma::expect_bytes(s.loaded, sizeof(s.a) + sizeof(s.b) + sizeof(s.c));
     tma::load_async(&s.a, args.a, s.loaded, 0, 0, 0, 0, 0);
@@ -107,11 +112,7 @@ template <int D>
 __global__ void __launch_bounds__(128) gather_test_kernel(const __grid_constant__ GatherTestArgs args) {
   extern __shared__ char smem_raw[];
   auto& s = aligned_shared<gather_test_shared<D>>(smem_raw);
-  if (threadIdx.x == 0) {
-    tma::init(s.loaded, 1);
-    tma::fence_barrier_init();
-  }
-  __syncthreads();
+  init_loaded_barrier(s.loaded);
   if (threadIdx.x == 0) {
     tma::expect_bytes(s.loaded, sizeof(s.a) + sizeof(s.p) + sizeof(s.k));
     tma::load_async(&s.a, args.a, s.loaded, 0, 0, 0, 0, 0);
