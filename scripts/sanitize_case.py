@@ -58,6 +58,15 @@ for d in (64, 128, 256) if "attention" in which else ():
                         q_seq_lengths=jnp.asarray([5, t], jnp.int32), kv_seq_lengths=jnp.asarray([t, 64], jnp.int32))
     o_l, lse_l = _kernels.attention_fwd(qb, kb, vb, **lengths_only)
     jax.block_until_ready(_kernels.attention_bwd(qb, kb, vb, o_l, lse_l, jnp.ones_like(o_l), **lengths_only))
+    # Many packed items a block (documents of 1-299 tokens, 2 x 2048 tokens, 8/2 heads): the
+    # forward's Q slots and K/V rings wrap many times from item to item.
+    t_many = 2048
+    runs_many = rng.integers(1, 300, size=(2, t_many))
+    seg_many = jnp.asarray(np.stack([np.repeat(np.arange(t_many), r)[:t_many] for r in runs_many]), jnp.int32)
+    q_many = jnp.asarray(rng.standard_normal((2, t_many, 8, d)), jnp.bfloat16)
+    k_many, v_many = (jnp.asarray(rng.standard_normal((2, t_many, 2, d)), jnp.bfloat16) for _ in range(2))
+    jax.block_until_ready(_kernels.attention_fwd(q_many, k_many, v_many, scale=1 / math.sqrt(d), window_left=-1,
+                                                 window_right=0, q_segment_ids=seg_many, kv_segment_ids=seg_many))
     # The backward in three calls (context parallelism's dQ state): two blocks of keys, the
     # second call on part of the rows, its rows shifted and wrapping around the state's end.
     rows = 256

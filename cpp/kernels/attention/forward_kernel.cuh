@@ -23,9 +23,11 @@
 // Two grids share that code. Where the keys are many, a plain grid runs one item per block.
 // Where they are few, an item is short next to a block's start-up and write-out, so a
 // persistent grid of one block per SM walks the items, and the next item's Q and first tiles
-// load while the current one finishes. Under a band with few query blocks a (batch, head)
-// pair, the persistent kernel runs two items a block instead: a query block and its mirror.
-// With segment ids the persistent grid always runs, its blocks claiming items as they go.
+// load while the current one finishes (with segment ids, whose items are the shortest, the
+// next Q loads during the whole current item: two Q slots). Under a band with few query blocks
+// a (batch, head) pair, the persistent kernel runs two items a block instead: a query block and
+// its mirror. With segment ids the persistent grid always runs, its blocks claiming items as
+// they go.
 #pragma once
 
 #include <algorithm>
@@ -40,18 +42,19 @@ namespace tk::attention {
 using namespace kittens;
 
 // C consumer warpgroups of 64 query rows each. The launcher picks C per call (see
-// forward_consumers below).
-template <int D, int C>
+// forward_consumers below). QS: slots for an item's Q (forward_shared).
+template <int D, int C, int QS = 1>
 struct forward_config {
-  static constexpr int CONSUMERS = C;
+  static constexpr int CONSUMERS = C, Q_SLOTS = QS;
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   static constexpr int Q_ROWS = 64 * CONSUMERS;
   // Key tiles of 128 rows; 64 at D = 256, where the output takes 128 registers a thread and
   // two stages of 128-row K and V tiles would not fit in shared memory.
   static constexpr int KV_ROWS = D <= 128 ? 128 : 64;
   // As many K/V stages as fit beside Q in 227 KB of shared memory, up to 4: with the next
-  // tile's scores computed early, K_{i+1} must land a step ahead. (D = 128: 3; D = 256: 2.)
-  static constexpr int STAGE_BYTES = 2 * KV_ROWS * D * 2, Q_BYTES = Q_ROWS * D * 2;
+  // tile's scores computed early, K_{i+1} must land a step ahead. (D = 128: 3, 2 with two Q
+  // slots; D = 256: 2.)
+  static constexpr int STAGE_BYTES = 2 * KV_ROWS * D * 2, Q_BYTES = QS * Q_ROWS * D * 2;
   static constexpr int STAGES = std::min(4, (227 * 1024 - 2048 - Q_BYTES) / STAGE_BYTES);
   static_assert(STAGES >= 2);
   // Registers a producer thread keeps (the rest go to the consumers), with and without segment
@@ -65,6 +68,16 @@ struct forward_config {
   // its static walk falls behind the hardware's scheduling of causal blocks (up to -36%).
   static constexpr int PERSISTENT_MAX_KEYS = 4096;
 };
+
+// Q slots of the persistent grid: two with segment ids, whose items (a document's query tile,
+// a few key tiles) are short, so that an item's Q loads while the previous item runs, where two
+// K/V stages still fit beside them (D <= 128); else one. (Without segment ids, two slots gave
+// +0.5..+3.9% at 1k-2k keys but -1.8..-4.7% at 4k: docs/DESIGN.md, "Where a short forward
+// item's time goes".)
+template <bool SEG, int D>
+constexpr int persistent_q_slots() {
+  return SEG && D <= 128 ? 2 : 1;
+}
 
 struct ForwardArgs {
   CUtensorMap q, k, v;  // boxes: 64 query rows, KV_ROWS key rows
@@ -153,41 +166,56 @@ struct key_tile_info {
   int last;    // the item's last tile
 };
 
-template <typename T, int D, int C>
+template <typename T, int D, int C, int QS = 1>
 struct forward_shared {
-  using config = forward_config<D, C>;
-  st<T, 64, D> q[C];
+  using config = forward_config<D, C, QS>;
+  using dtype = T;
+  static constexpr int DIM = D, CONSUMERS = C, Q_SLOTS = QS;
+  st<T, 64, D> q[QS][C];
   st<T, config::KV_ROWS, D> k[config::STAGES], v[config::STAGES];
-  // Q has a one-slot ring: in a persistent walk the consumers release it once an item's last
-  // scores have landed, so the next item's Q loads under the last P V and the write-out.
-  ring<1> q_ring;
-  forward_item item;  // the item whose Q is in the Q slot, published with it
+  // Q has a ring of QS slots: in a persistent walk the consumers release an item's Q once its
+  // last scores have landed, so with one slot the next item's Q loads under the last P V and
+  // the write-out, with two under the whole item.
+  ring<QS> q_ring;
+  forward_item item[QS];  // the item whose Q is in each Q slot, published with it
   key_tile_info tiles[config::STAGES];  // of the key tile in each K slot, published with it
   // K and V have rings of their own: K_i is released as soon as its scores have landed, well
   // before V_i is done, so the next K tile can load early.
   ring<config::STAGES> k_ring, v_ring;
+  // A key tile's info is read by every consumer lane with plain loads, and lane 0 releases K for
+  // its warp after a warp barrier. With two Q slots K runs ahead of the item's Q release, and
+  // racecheck, which credits an arrival with the arriving thread's reads only, then reported
+  // the lanes' reads against the producer's next write of the entry: there every lane releases
+  // K itself.
+  __device__ void release_k(int use) {
+    if constexpr (QS > 1) k_ring.release_each_lane(use);
+    else k_ring.release(use);
+  }
 };
 
 // Producer (one thread): item w and its Q as use q_use of the Q ring, and its key tiles as uses
-// kv_use, kv_use + 1, ... of the K and V rings; returns how many. A block's first Q goes first;
-// a later one goes after its item's first K tile, which may then load while the consumers still
-// read the previous item's Q. (The consumers read an item when they acquire its Q, and are done
-// with it when they release that Q.)
-template <bool SEG, typename T, int D, int C>
-__device__ __forceinline__ int load_item(forward_shared<T, D, C>& s, const ForwardArgs& args, const forward_item& w,
-                                         int q_use, int kv_use) {
-  constexpr int KV = forward_config<D, C>::KV_ROWS;
+// kv_use, kv_use + 1, ... of the K and V rings; returns how many. A block's first Q goes first,
+// and every Q with two slots; with one, a later Q goes after its item's first K tile, which may
+// then load while the consumers still read the previous item's Q. (The consumers read an item
+// when they acquire its Q, and are done with it when they release that Q.)
+template <bool SEG, typename Shared>
+__device__ __forceinline__ int load_item(Shared& s, const ForwardArgs& args, const forward_item& w, int q_use,
+                                         int kv_use) {
+  constexpr int C = Shared::CONSUMERS, QS = Shared::Q_SLOTS, KV = Shared::config::KV_ROWS;
+  const int slot = q_use % QS;
   auto publish = [&](uint32_t q_bytes) -> tma::barrier& {
     s.q_ring.wait_free(q_use);
-    s.item = w;
+    s.item[slot] = w;
     return s.q_ring.fill(q_use, q_bytes);  // the arrival releases the item to the consumers
   };
   auto load_q = [&] {
-    tma::barrier& q_full = publish(C * sizeof(s.q[0]));
-    for (int c = 0; c < C; c++) tma::load_async(&s.q[c], args.q, q_full, 0, w.q0 + 64 * c, 0, w.h, w.b);
+    tma::barrier& q_full = publish(C * sizeof(s.q[0][0]));
+    for (int c = 0; c < C; c++)
+      tma::load_async(&s.q[slot][c], args.q, q_full, 0, w.q0 + 64 * c, 0, w.h, w.b);
   };
+  const bool q_first = q_use == 0 || QS > 1;
   if (w.empty()) publish(0);  // rows that see no key: no Q to wait for
-  else if (q_use == 0) load_q();
+  else if (q_first) load_q();
   int n = 0;
   for (int t = w.first_tile; t < w.end_tile; n++) {
     const int next = w.template next_tile<KV, SEG>(args.p, t);
@@ -202,26 +230,28 @@ __device__ __forceinline__ int load_item(forward_shared<T, D, C>& s, const Forwa
     }
     s.tiles[stage] = info;  // published by the K slot's fill below
     tma::load_async(&s.k[stage], args.k, s.k_ring.fill(use, sizeof(s.k[0])), 0, k0, 0, w.kv_h, w.b);
-    if (n == 0 && q_use > 0) load_q();
+    if (n == 0 && !q_first) load_q();
     tma::load_async(&s.v[stage], args.v, s.v_ring.fill(use, sizeof(s.v[0])), 0, k0, 0, w.kv_h, w.b);
     t = next;
   }
   return n;
 }
 
-// Consumer warpgroup `consumer`: attention of its 64 rows of item w, whose key tiles are uses
-// kv_use, kv_use + 1, ... of the K and V rings; writes O and lse of the rows before w.rows_end
-// and returns how many tiles it read. release_q() runs once Q is no longer read. A consumer with
-// no row before rows_end (a short query tile) only hands the tiles back.
-template <bool SEG, typename T, int D, int C, typename ReleaseQ>
-__device__ __forceinline__ int attend_item(forward_shared<T, D, C>& s, const ForwardParams& p, const forward_item& w,
+// Consumer warpgroup `consumer`: attention of its 64 rows of item w, whose Q is in slot q_slot
+// and whose key tiles are uses kv_use, kv_use + 1, ... of the K and V rings; writes O and lse
+// of the rows before w.rows_end and returns how many tiles it read. release_q() runs once Q is
+// no longer read. A consumer with no row before rows_end (a short query tile) only hands the
+// tiles back.
+template <bool SEG, typename Shared, typename ReleaseQ>
+__device__ __forceinline__ int attend_item(Shared& s, const ForwardParams& p, const forward_item& w, int q_slot,
                                            int consumer, int kv_use, ReleaseQ release_q) {
-  constexpr int KV = forward_config<D, C>::KV_ROWS;
+  using T = typename Shared::dtype;
+  constexpr int D = Shared::DIM, KV = Shared::config::KV_ROWS;
   if (w.q0 + 64 * consumer >= w.rows_end) {
     release_q();
     for (int i = 0; !w.empty(); i++) {
       const bool last = s.tiles[s.k_ring.acquire(kv_use + i)].last;
-      s.k_ring.release(kv_use + i);
+      s.release_k(kv_use + i);
       s.v_ring.acquire(kv_use + i);
       s.v_ring.release(kv_use + i);
       if (last) return i + 1;
@@ -253,12 +283,12 @@ __device__ __forceinline__ int attend_item(forward_shared<T, D, C>& s, const For
   row_vec<16> rescale;
   auto scores_of = [&](int i) {  // S_i = Q K_i^T, issued asynchronously; returns tile i's info
     const int stage = s.k_ring.acquire(kv_use + i);
-    warpgroup::mma_ABt(scores, s.q[consumer], s.k[stage], false);
+    warpgroup::mma_ABt(scores, s.q[q_slot][consumer], s.k[stage], false);
     return s.tiles[stage];
   };
   // S_i has landed: release K_i, then scores -> P_i.
   auto softmax_of = [&](int i, const key_tile_info& tile) {
-    s.k_ring.release(kv_use + i);
+    s.release_k(kv_use + i);
     if constexpr (SEG)
       if (!(tile.single && segments.holds_only(tile.id)))
         segments.mask_all(scores, query_ids, row0, rows_seen, key_ids, tile.k0, mask_band.k_end);
@@ -306,14 +336,14 @@ __device__ __forceinline__ int attend_item(forward_shared<T, D, C>& s, const For
 }
 
 // One thread initialises the rings, before any warp uses them.
-template <typename T, int D, int C>
-__device__ __forceinline__ void init_rings(forward_shared<T, D, C>& s) {
-  constexpr int CONSUMER_WARPS = C * 4;  // one arrival per consumer warp
+template <typename Shared>
+__device__ __forceinline__ void init_rings(Shared& s) {
+  constexpr int CONSUMER_WARPS = Shared::CONSUMERS * 4;  // one arrival per consumer warp
   if (threadIdx.x == 0) {
-    // The Q slot also carries the item, which every consumer thread reads with plain loads:
+    // A Q slot also carries the item, which every consumer thread reads with plain loads:
     // each thread releases it after its own read (one arrival per consumer thread).
     s.q_ring.init(CONSUMER_WARPS * 32);
-    s.k_ring.init(CONSUMER_WARPS);
+    s.k_ring.init(Shared::Q_SLOTS > 1 ? CONSUMER_WARPS * 32 : CONSUMER_WARPS);  // see release_k
     s.v_ring.init(CONSUMER_WARPS);
     tma::fence_barrier_init();
   }
@@ -339,8 +369,8 @@ __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
   } else {
     warpgroup::increase_registers<config::template CONSUMER_REGS<false>>();
     s.q_ring.acquire(0);
-    const forward_item w = s.item;
-    attend_item<false>(s, p, w, warpgroup::groupid() - 1, 0, [] {});  // Q is read once: never released
+    const forward_item w = s.item[0];
+    attend_item<false>(s, p, w, 0, warpgroup::groupid() - 1, 0, [] {});  // Q is read once: never released
   }
 }
 
@@ -398,6 +428,9 @@ __device__ __forceinline__ void walk_items(const ForwardParams& p, Visit visit) 
   }
 }
 
+template <typename T, int D, int C, bool SEG>
+using persistent_shared = forward_shared<T, D, C, persistent_q_slots<SEG, D>()>;
+
 // Persistent grid: the producer walks the block's items and publishes the n-th with its Q as use
 // n of the Q ring, which the consumers release once they no longer read it; the consumers take
 // items until a `done` one. An item's key tiles are uses kv_use, kv_use + 1, ... of the K and V
@@ -405,11 +438,12 @@ __device__ __forceinline__ void walk_items(const ForwardParams& p, Visit visit) 
 template <typename T, int D, int C, bool SEG>
 __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
     persistent_forward_kernel(const __grid_constant__ ForwardArgs args) {
-  using config = forward_config<D, C>;
+  using Shared = persistent_shared<T, D, C, SEG>;
+  using config = typename Shared::config;
   constexpr int Q_ROWS = config::Q_ROWS, KV = config::KV_ROWS;
   const ForwardParams& p = args.p;
   extern __shared__ char smem_raw[];
-  auto& s = aligned_shared<forward_shared<T, D, C>>(smem_raw);
+  auto& s = aligned_shared<Shared>(smem_raw);
 
   init_rings(s);
   int kv_use = 0;
@@ -423,10 +457,10 @@ __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
     warpgroup::increase_registers<config::template CONSUMER_REGS<SEG>>();
     const int consumer = warpgroup::groupid() - 1;
     for (int n = 0;; n++) {
-      s.q_ring.acquire(n);
-      const forward_item w = s.item;
+      const int q_slot = s.q_ring.acquire(n);
+      const forward_item w = s.item[q_slot];
       if (w.done) break;
-      kv_use += attend_item<SEG>(s, p, w, consumer, kv_use, [&] { s.q_ring.release_each_lane(n); });
+      kv_use += attend_item<SEG>(s, p, w, q_slot, consumer, kv_use, [&] { s.q_ring.release_each_lane(n); });
     }
   }
 }
@@ -452,6 +486,7 @@ cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
       !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, config::KV_ROWS))
     return cudaErrorInvalidValue;
   const int smem = int(sizeof(forward_shared<T, D, C>)) + 1024;
+  const int persistent_smem = int(sizeof(persistent_shared<T, D, C, SEG>)) + 1024;
   int sms = 0;
   if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
   // With segment ids the items are the prologue's query tiles (at most max_query_tiles a row),
@@ -461,12 +496,14 @@ cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
     static_assert(config::Q_ROWS == QUERY_TILE_ROWS, "a block takes one query tile");
     const int64_t bound = int64_t(p.batch) * max_query_tiles(p.seq_q) * p.heads_q;
     const dim3 grid(int(std::min<int64_t>(bound, sms)));
-    return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, smem, stream, args);
+    return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, persistent_smem,
+                                                                          stream, args);
   } else {
     const int items = forward_items<config::Q_ROWS>(p);
     if (p.seq_k <= config::PERSISTENT_MAX_KEYS) {
       const dim3 grid(std::min(items, sms));
-      return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, smem, stream, args);
+      return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, persistent_smem,
+                                                                          stream, args);
     }
     // Under a band, where a (batch, head) pair has at most half as many query blocks as the card
     // has SMs, one block a query block ends unevenly: the next pairs' heaviest blocks start while
@@ -480,7 +517,8 @@ cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
     // rounds: D=256 +6.4%, D=128 +0.5%, D=64 -1.1% (within the rounds' spread).
     if (p.window_right >= 0 && 2 * query_blocks<config::Q_ROWS>(p) <= sms) {
       const dim3 grid((items + 1) / 2);
-      return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, smem, stream, args);
+      return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, persistent_smem,
+                                                                          stream, args);
     }
     const dim3 grid(query_blocks<config::Q_ROWS>(p), p.heads_q, p.batch);
     return launch_with_shared<forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
