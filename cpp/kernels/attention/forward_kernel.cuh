@@ -187,8 +187,9 @@ struct forward_shared {
   // racecheck, which credits an arrival with the arriving thread's reads only, then reported
   // the lanes' reads against the producer's next write of the entry: there every lane releases
   // K itself.
+  static constexpr int K_RELEASERS_PER_WARP = QS > 1 ? 32 : 1;
   __device__ void release_k(int use) {
-    if constexpr (QS > 1) k_ring.release_each_lane(use);
+    if constexpr (K_RELEASERS_PER_WARP > 1) k_ring.release_each_lane(use);
     else k_ring.release(use);
   }
 };
@@ -343,7 +344,7 @@ __device__ __forceinline__ void init_rings(Shared& s) {
     // A Q slot also carries the item, which every consumer thread reads with plain loads:
     // each thread releases it after its own read (one arrival per consumer thread).
     s.q_ring.init(CONSUMER_WARPS * 32);
-    s.k_ring.init(Shared::Q_SLOTS > 1 ? CONSUMER_WARPS * 32 : CONSUMER_WARPS);  // see release_k
+    s.k_ring.init(CONSUMER_WARPS * Shared::K_RELEASERS_PER_WARP);  // see release_k
     s.v_ring.init(CONSUMER_WARPS);
     tma::fence_barrier_init();
   }
