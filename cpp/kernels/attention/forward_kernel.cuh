@@ -180,18 +180,11 @@ struct forward_shared {
   forward_item item[QS];  // the item whose Q is in each Q slot, published with it
   key_tile_info tiles[config::STAGES];  // of the key tile in each K slot, published with it
   // K and V have rings of their own: K_i is released as soon as its scores have landed, well
-  // before V_i is done, so the next K tile can load early.
+  // before V_i is done, so the next K tile can load early. K's slot also carries the tile's
+  // info, which every consumer lane reads with plain loads, so every lane releases K (an
+  // arrival releases only the arriving thread's reads: racecheck reported the lanes' reads
+  // against the producer's next write of the entry when lane 0 released K for its warp).
   ring<config::STAGES> k_ring, v_ring;
-  // A key tile's info is read by every consumer lane with plain loads, and lane 0 releases K for
-  // its warp after a warp barrier. With two Q slots K runs ahead of the item's Q release, and
-  // racecheck, which credits an arrival with the arriving thread's reads only, then reported
-  // the lanes' reads against the producer's next write of the entry: there every lane releases
-  // K itself.
-  static constexpr int K_RELEASERS_PER_WARP = QS > 1 ? 32 : 1;
-  __device__ void release_k(int use) {
-    if constexpr (K_RELEASERS_PER_WARP > 1) k_ring.release_each_lane(use);
-    else k_ring.release(use);
-  }
 };
 
 // Producer (one thread): item w and its Q as use q_use of the Q ring, and its key tiles as uses
@@ -252,7 +245,7 @@ __device__ __forceinline__ int attend_item(Shared& s, const ForwardParams& p, co
     release_q();
     for (int i = 0; !w.empty(); i++) {
       const bool last = s.tiles[s.k_ring.acquire(kv_use + i)].last;
-      s.release_k(kv_use + i);
+      s.k_ring.release_each_lane(kv_use + i);
       s.v_ring.acquire(kv_use + i);
       s.v_ring.release(kv_use + i);
       if (last) return i + 1;
@@ -289,7 +282,7 @@ __device__ __forceinline__ int attend_item(Shared& s, const ForwardParams& p, co
   };
   // S_i has landed: release K_i, then scores -> P_i.
   auto softmax_of = [&](int i, const key_tile_info& tile) {
-    s.release_k(kv_use + i);
+    s.k_ring.release_each_lane(kv_use + i);
     if constexpr (SEG)
       if (!(tile.single && segments.holds_only(tile.id)))
         segments.mask_all(scores, query_ids, row0, rows_seen, key_ids, tile.k0, mask_band.k_end);
@@ -344,7 +337,7 @@ __device__ __forceinline__ void init_rings(Shared& s) {
     // A Q slot also carries the item, which every consumer thread reads with plain loads:
     // each thread releases it after its own read (one arrival per consumer thread).
     s.q_ring.init(CONSUMER_WARPS * 32);
-    s.k_ring.init(CONSUMER_WARPS * Shared::K_RELEASERS_PER_WARP);  // see release_k
+    s.k_ring.init(CONSUMER_WARPS * 32);  // every consumer thread releases K (forward_shared)
     s.v_ring.init(CONSUMER_WARPS);
     tma::fence_barrier_init();
   }
