@@ -23,11 +23,11 @@
 // Two grids share that code. Where the keys are many, a plain grid runs one item per block.
 // Where they are few, an item is short next to a block's start-up and write-out, so a
 // persistent grid of one block per SM walks the items, and the next item's Q and first tiles
-// load while the current one finishes (with segment ids, whose items are the shortest, the
-// next Q loads during the whole current item: two Q slots). Under a band with few query blocks
-// a (batch, head) pair, the persistent kernel runs two items a block instead: a query block and
-// its mirror. With segment ids the persistent grid always runs, its blocks claiming items as
-// they go.
+// load while the current one finishes (where items are shortest, with segment ids or few keys,
+// the next Q loads during the whole current item: two Q slots). Under a band with few query
+// blocks a (batch, head) pair, the persistent kernel runs two items a block instead: a query
+// block and its mirror. With segment ids the persistent grid always runs, its blocks claiming
+// items as they go.
 #pragma once
 
 #include <algorithm>
@@ -69,15 +69,11 @@ struct forward_config {
   static constexpr int PERSISTENT_MAX_KEYS = 4096;
 };
 
-// Q slots of the persistent grid: two with segment ids, whose items (a document's query tile,
-// a few key tiles) are short, so that an item's Q loads while the previous item runs, where two
-// K/V stages still fit beside them (D <= 128); else one. (Without segment ids, two slots gave
-// +0.5..+3.9% at 1k-2k keys but -1.8..-4.7% at 4k: docs/DESIGN.md, "Where a short forward
-// item's time goes".)
-template <bool SEG, int D>
-constexpr int persistent_q_slots() {
-  return SEG && D <= 128 ? 2 : 1;
-}
+// The persistent grid holds two Q slots where an item is short and two K/V stages still fit
+// beside them (D <= 128): with segment ids (a document's query tile and its few key tiles), and
+// at up to this many keys. An item's Q then loads while the previous item runs. (At 4096 keys
+// two slots lost 1.8-4.7%: docs/DESIGN.md, "Where a short forward item's time goes".)
+constexpr int TWO_Q_SLOTS_MAX_KEYS = 2048;
 
 struct ForwardArgs {
   CUtensorMap q, k, v;  // boxes: 64 query rows, KV_ROWS key rows
@@ -422,17 +418,14 @@ __device__ __forceinline__ void walk_items(const ForwardParams& p, Visit visit) 
   }
 }
 
-template <typename T, int D, int C, bool SEG>
-using persistent_shared = forward_shared<T, D, C, persistent_q_slots<SEG, D>()>;
-
 // Persistent grid: the producer walks the block's items and publishes the n-th with its Q as use
 // n of the Q ring, which the consumers release once they no longer read it; the consumers take
 // items until a `done` one. An item's key tiles are uses kv_use, kv_use + 1, ... of the K and V
 // rings: the rings run on from item to item.
-template <typename T, int D, int C, bool SEG>
+template <typename T, int D, int C, bool SEG, int QS>
 __global__ void __launch_bounds__(forward_config<D, C>::THREADS, 1)
     persistent_forward_kernel(const __grid_constant__ ForwardArgs args) {
-  using Shared = persistent_shared<T, D, C, SEG>;
+  using Shared = forward_shared<T, D, C, QS>;
   using config = typename Shared::config;
   constexpr int Q_ROWS = config::Q_ROWS, KV = config::KV_ROWS;
   const ForwardParams& p = args.p;
@@ -469,6 +462,12 @@ inline int forward_consumers(const ForwardParams& p) {
   return p.head_dim == 64 && !(banded && p.seq_k <= 2048) && !p.mask.has_segment_ids() ? 3 : 2;
 }
 
+template <typename T, int D, int C, bool SEG, int QS>
+cudaError_t launch_persistent(int blocks, const ForwardArgs& args, cudaStream_t stream) {
+  return launch_with_shared<persistent_forward_kernel<T, D, C, SEG, QS>>(
+      dim3(blocks), forward_config<D, C>::THREADS, int(sizeof(forward_shared<T, D, C, QS>)) + 1024, stream, args);
+}
+
 template <typename T, int D, int C, bool SEG>
 cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
   using config = forward_config<D, C>;
@@ -480,7 +479,12 @@ cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
       !tma::make_bshd_map(&args.v, p.v, bf, p.batch, p.seq_k, p.heads_kv, D, config::KV_ROWS))
     return cudaErrorInvalidValue;
   const int smem = int(sizeof(forward_shared<T, D, C>)) + 1024;
-  const int persistent_smem = int(sizeof(persistent_shared<T, D, C, SEG>)) + 1024;
+  auto persistent = [&](int blocks) {  // with one or two Q slots (TWO_Q_SLOTS_MAX_KEYS)
+    if constexpr (D > 128) return launch_persistent<T, D, C, SEG, 1>(blocks, args, stream);
+    else if constexpr (SEG) return launch_persistent<T, D, C, SEG, 2>(blocks, args, stream);
+    else if (p.seq_k <= TWO_Q_SLOTS_MAX_KEYS) return launch_persistent<T, D, C, SEG, 2>(blocks, args, stream);
+    else return launch_persistent<T, D, C, SEG, 1>(blocks, args, stream);
+  };
   int sms = 0;
   if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
   // With segment ids the items are the prologue's query tiles (at most max_query_tiles a row),
@@ -489,15 +493,11 @@ cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
   if constexpr (SEG) {
     static_assert(config::Q_ROWS == QUERY_TILE_ROWS, "a block takes one query tile");
     const int64_t bound = int64_t(p.batch) * max_query_tiles(p.seq_q) * p.heads_q;
-    const dim3 grid(int(std::min<int64_t>(bound, sms)));
-    return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, persistent_smem,
-                                                                          stream, args);
+    return persistent(int(std::min<int64_t>(bound, sms)));
   } else {
     const int items = forward_items<config::Q_ROWS>(p);
     if (p.seq_k <= config::PERSISTENT_MAX_KEYS) {
-      const dim3 grid(std::min(items, sms));
-      return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, persistent_smem,
-                                                                          stream, args);
+      return persistent(std::min(items, sms));
     }
     // Under a band, where a (batch, head) pair has at most half as many query blocks as the card
     // has SMs, one block a query block ends unevenly: the next pairs' heaviest blocks start while
@@ -510,9 +510,7 @@ cudaError_t launch_forward_with(const ForwardParams& p, cudaStream_t stream) {
     // in the last wave than it saves, in the model). Causal forward 8k, mirrored same-card
     // rounds: D=256 +6.4%, D=128 +0.5%, D=64 -1.1% (within the rounds' spread).
     if (p.window_right >= 0 && 2 * query_blocks<config::Q_ROWS>(p) <= sms) {
-      const dim3 grid((items + 1) / 2);
-      return launch_with_shared<persistent_forward_kernel<T, D, C, SEG>>(grid, config::THREADS, persistent_smem,
-                                                                          stream, args);
+      return persistent((items + 1) / 2);
     }
     const dim3 grid(query_blocks<config::Q_ROWS>(p), p.heads_q, p.batch);
     return launch_with_shared<forward_kernel<T, D, C>>(grid, config::THREADS, smem, stream, args);
