@@ -166,7 +166,7 @@ template <typename T, int D, int C, int QS = 1>
 struct forward_shared {
   using config = forward_config<D, C, QS>;
   using dtype = T;
-  static constexpr int DIM = D, CONSUMERS = C, Q_SLOTS = QS;
+  static constexpr int DIM = D;
   st<T, 64, D> q[QS][C];
   st<T, config::KV_ROWS, D> k[config::STAGES], v[config::STAGES];
   // Q has a ring of QS slots: in a persistent walk the consumers release an item's Q once its
@@ -191,7 +191,7 @@ struct forward_shared {
 template <bool SEG, typename Shared>
 __device__ __forceinline__ int load_item(Shared& s, const ForwardArgs& args, const forward_item& w, int q_use,
                                          int kv_use) {
-  constexpr int C = Shared::CONSUMERS, QS = Shared::Q_SLOTS, KV = Shared::config::KV_ROWS;
+  constexpr int C = Shared::config::CONSUMERS, QS = Shared::config::Q_SLOTS, KV = Shared::config::KV_ROWS;
   const int slot = q_use % QS;
   auto publish = [&](uint32_t q_bytes) -> tma::barrier& {
     s.q_ring.wait_free(q_use);
@@ -328,7 +328,7 @@ __device__ __forceinline__ int attend_item(Shared& s, const ForwardParams& p, co
 // One thread initialises the rings, before any warp uses them.
 template <typename Shared>
 __device__ __forceinline__ void init_rings(Shared& s) {
-  constexpr int CONSUMER_WARPS = Shared::CONSUMERS * 4;  // one arrival per consumer warp
+  constexpr int CONSUMER_WARPS = Shared::config::CONSUMERS * 4;  // one arrival per consumer warp
   if (threadIdx.x == 0) {
     // A Q slot also carries the item, which every consumer thread reads with plain loads:
     // each thread releases it after its own read (one arrival per consumer thread).
